@@ -1,0 +1,48 @@
+# mdlmpe_ds developer entry points. `make test` and `make demo` are the README's two commands:
+# both create .venv on first use with pinned packages (torch from the CPU wheel first, so no
+# package can pull a CUDA build), then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+export PYTHONUNBUFFERED = 1
+
+.PHONY: venv test test-unit test-dist lint format demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-unit: venv
+	$(BIN)/python -m pytest -q tests -m "not dist"
+
+test-dist: venv
+	$(BIN)/python -m pytest -q tests -m dist
+
+lint: venv
+	$(BIN)/ruff check mdlmpe_ds launch tests benchmarks
+	$(BIN)/ruff format --check mdlmpe_ds launch tests benchmarks
+
+format: venv
+	$(BIN)/ruff format mdlmpe_ds launch tests benchmarks
+	$(BIN)/ruff check --fix mdlmpe_ds launch tests benchmarks
+
+demo: venv
+	$(BIN)/deepspeed --num_gpus 2 launch/sft.py --deepspeed ds_configs/zero3.json
+
+bench: venv
+	$(BIN)/python benchmarks/bench_attention.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

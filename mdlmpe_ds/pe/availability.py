@@ -1,0 +1,116 @@
+"""Availability state and token-centred summaries A, D (paper Eqs. binary, gaussian, normalize,
+nonnegative_coordinate, availability_ratio_explicit; Appendix D Eq. efficiency_local_aggregation).
+
+Everything here is computed once per forward in fp32 and shared by all layers. The Gaussian
+operator is never materialised as an L x L matrix: the row-normalised banded sum is a 1-D
+convolution with the 2W+1 tap kernel, O(L * W * F).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from mdlmpe_ds.pe.rope import inverse_frequencies
+
+
+def availability(
+    input_ids: torch.Tensor, mask_token_id: int, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """b_t = 1[x_t != mask] * a_t and a_t (Eq. binary), both fp32 [B, L].
+
+    ``valid`` marks positions attention may see (False for padding, and for future blocks in
+    blocked-context block diffusion). It is derived from the model input only, never from targets.
+    """
+    if valid is None:
+        a = torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    else:
+        if valid.shape != input_ids.shape:
+            raise ValueError(f"valid mask shape {tuple(valid.shape)} != input_ids {tuple(input_ids.shape)}")
+        a = valid.to(torch.float32)
+    b = (input_ids != mask_token_id).to(torch.float32) * a
+    return b, a
+
+
+@lru_cache(maxsize=64)
+def _gaussian_taps_cpu(window: int, sigma: float) -> torch.Tensor:
+    offsets = torch.arange(-window, window + 1, dtype=torch.float64)
+    return torch.exp(-(offsets**2) / (2.0 * sigma**2)).to(torch.float32)
+
+
+def gaussian_taps(window: int, sigma: float, device: torch.device | None = None) -> torch.Tensor:
+    """Unnormalised truncated Gaussian exp(-d^2 / 2 sigma^2) for d = -W..W (Eq. gaussian). [2W+1].
+
+    Cached by (W, sigma): the only things it depends on.
+    """
+    return _gaussian_taps_cpu(int(window), float(sigma)).to(device)
+
+
+@lru_cache(maxsize=64)
+def _sine_basis_cpu(seq_len: int, head_dim: int, theta: float) -> torch.Tensor:
+    t = torch.arange(seq_len, dtype=torch.float64)
+    omega = inverse_frequencies(head_dim, theta).to(torch.float64)
+    return (0.5 * (1.0 + torch.sin(torch.outer(t, omega)))).to(torch.float32)
+
+
+def sine_basis(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE-aligned coordinate c_{t,f} = (1 + sin(t w_f)) / 2 in [0, 1] (Eq. nonnegative_coordinate).
+
+    Shape [L, F]; computed in fp64 then stored fp32 so large t * w_f keeps its phase. Cached by
+    (L, d_h, theta).
+    """
+    return _sine_basis_cpu(int(seq_len), int(head_dim), float(theta)).to(device)
+
+
+def _banded_sum(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """y_{., i} = sum_{|d| <= W} taps[d] * x_{., i+d}, zero outside [0, L). x: [N, L] -> [N, L]."""
+    window = (taps.numel() - 1) // 2
+    if window == 0:
+        return x * taps[0]
+    # conv1d is a cross-correlation; the taps are symmetric so it equals the convolution.
+    return F.conv1d(x.unsqueeze(1), taps.view(1, 1, -1), padding=window).squeeze(1)
+
+
+def token_summaries(
+    b: torch.Tensor, a: torch.Tensor, coordinate: torch.Tensor, taps: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_{i,f} = sum_t w_{i,t} b_t c_{t,f}; D_{i,f} = sum_t w_{i,t} a_t c_{t,f} + eps.
+
+    w_{i,t} = g(i - t) a_t / (sum_u g(i - u) a_u + eps) with g the truncated Gaussian taps
+    (Eqs. gaussian, normalize, availability_ratio_explicit).
+
+    b, a: [B, L] fp32; coordinate: [L, F] (or [B, L, F]); taps: [2W+1]. Returns A, D as [B, L, F]
+    fp32. Cost O(B * L * W * F); no L x L tensor is formed.
+    """
+    batch, length = a.shape
+    coordinate = coordinate.to(torch.float32)
+    if coordinate.dim() == 2:
+        coordinate = coordinate.unsqueeze(0).expand(batch, -1, -1)
+    num_pairs = coordinate.shape[-1]
+    taps = taps.to(device=a.device, dtype=torch.float32)
+    # 1. Row mass of the window over valid positions: sum_u g(i-u) a_u.      [B, L]
+    row_mass = _banded_sum(a, taps)
+    # 2. Banded sums of b*c and a*c for every pair, as 2F independent rows.   [B, 2F, L]
+    signals = torch.cat((b.unsqueeze(-1) * coordinate, a.unsqueeze(-1) * coordinate), dim=-1)
+    sums = _banded_sum(signals.transpose(1, 2).reshape(batch * 2 * num_pairs, length), taps)
+    sums = sums.view(batch, 2 * num_pairs, length).transpose(1, 2)  # [B, L, 2F]
+    # 3. Row normalisation (Eq. normalize), then the eps floor of D.
+    norm = (row_mass + eps).unsqueeze(-1)  # [B, L, 1]
+    numer, denom = sums[..., :num_pairs] / norm, sums[..., num_pairs:] / norm
+    return numer, denom + eps
+
+
+def dense_weights(a: torch.Tensor, window: int, sigma: float, eps: float) -> torch.Tensor:
+    """The row-normalised L x L matrix w_{i,t} of Eq. normalize, materialised. [B, L, L].
+
+    For tests and the analysis figures only; training uses :func:`token_summaries`.
+    """
+    length = a.shape[-1]
+    pos = torch.arange(length, dtype=torch.float64, device=a.device)
+    dist = pos[:, None] - pos[None, :]
+    kernel = torch.exp(-(dist**2) / (2.0 * sigma**2)) * (dist.abs() <= window)
+    raw = kernel.to(torch.float32).unsqueeze(0) * a.unsqueeze(1)  # [B, L, L]
+    return raw / (raw.sum(-1, keepdim=True) + eps)
+

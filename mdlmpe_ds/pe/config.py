@@ -1,0 +1,106 @@
+"""Configuration of the MDLMPE position encoding (SPEC §2, paper Appendix A and C).
+
+Kept in its own module (not in ``mdlmpe_ds.config``) so the pure-torch encoding can be used and
+tested without the trainer's configuration tree; the trainer's ``ModelConfig`` embeds this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+COORDINATES = ("sine", "mlp", "none")
+ATTENTION_BACKENDS = ("reference", "blocked", "triton")
+
+
+@dataclass
+class MDLMPEConfig:
+    """Every knob of MDLMPE with the SPEC §2 defaults.
+
+    ``max_seq_len`` is L_ref: the window W = round(window_ratio * L_ref) is fixed by the configured
+    maximum length, not by the length of a batch, so padding never changes a feature and inference
+    uses the W the model was trained with.
+    """
+
+    max_seq_len: int = 1024
+    window_ratio: float = 3 / 16
+    rho: float = 0.25
+    # Denominator safeguard of Eq. normalize and of D (Eq. availability_ratio_explicit).
+    eps: float = 1e-6
+    # arccos argument is clipped to [-1 + kappa, 1 - kappa] (Eq. clipped_angle_bound, SPEC §2).
+    clip_kappa: float = 1e-4
+    gamma_max: float = 0.10
+    gamma_init: float = 0.01
+    tau_max: float = 0.25
+    # Hidden width H of the phase MLP; None means max(16, F / 2).
+    phase_hidden: int | None = None
+    # --- ablation switches (paper Table 4, Appendix C) ---
+    # False: no Gaussian window; each token summarises only its own state (w = identity).
+    use_gaussian: bool = True
+    # "sine": c = (1 + sin(t w_f)) / 2 (the method); "mlp": a learned non-negative coordinate
+    # (Appendix C "MLP instead of basis"); "none": c = 1 for every pair (binary/Gaussian only).
+    coordinate: str = "sine"
+    use_embedding: bool = True
+    # --- attention implementation ---
+    backend: str = "blocked"
+    block_size: int = 128
+    # torch.compile the blocked path's two regions (a switch; eager gives the same numbers).
+    compile: bool = False
+    # Per-block activation checkpointing in the blocked path (recompute pair phases in backward).
+    checkpoint_blocks: bool = True
+
+    def validate(self) -> MDLMPEConfig:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"mdlmpe config: {key}={getattr(self, key)!r} {why}")
+
+        if self.max_seq_len < 1:
+            raise bad("max_seq_len", "must be >= 1")
+        if not 0 < self.window_ratio:
+            raise bad("window_ratio", "must be > 0")
+        if not 0 < self.rho:
+            raise bad("rho", "must be > 0")
+        if not 0 < self.eps < 1e-2:
+            raise bad("eps", "must be in (0, 1e-2)")
+        if not 0 < self.clip_kappa < 1:
+            raise bad("clip_kappa", "must be in (0, 1)")
+        if not 0 < self.gamma_init < self.gamma_max:
+            raise bad("gamma_init", f"must be in (0, gamma_max={self.gamma_max})")
+        if not 0 < self.tau_max <= math.pi:
+            raise bad("tau_max", "must be in (0, pi]")
+        if self.phase_hidden is not None and self.phase_hidden < 1:
+            raise bad("phase_hidden", "must be >= 1 or None")
+        if self.coordinate not in COORDINATES:
+            raise bad("coordinate", f"must be one of {COORDINATES}")
+        if self.backend not in ATTENTION_BACKENDS:
+            raise bad("backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.block_size < 1:
+            raise bad("block_size", "must be >= 1")
+        return self
+
+    @property
+    def window(self) -> int:
+        """W = round(window_ratio * L_ref) (Eq. main_gaussian); 0 when the Gaussian is ablated."""
+        if not self.use_gaussian:
+            return 0
+        return int(math.floor(self.window_ratio * self.max_seq_len + 0.5))
+
+    @property
+    def sigma(self) -> float:
+        """sigma = max(rho * W, 1) (Eq. main_gaussian)."""
+        return max(self.rho * self.window, 1.0)
+
+    def hidden_width(self, num_pairs: int) -> int:
+        """H = max(16, F / 2) unless set explicitly (Eq. phase_mlp)."""
+        return self.phase_hidden if self.phase_hidden is not None else max(16, num_pairs // 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"mdlmpe config: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data).validate()

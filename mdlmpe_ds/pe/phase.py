@@ -1,0 +1,85 @@
+"""Pair feature, angularisation and the per-layer phase MLP (paper Eqs. pair_availability_ratio,
+mdangle, phase_mlp, app_pair_phase; SPEC §2 "Pair feature", "Phase MLP", "Frequency split").
+
+The functions take plain tensors so the attention paths (reference, blocked, Triton) can call
+them on any block of (i, j) pairs and recompute them under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mdlmpe_pairs(num_pairs: int) -> torch.Tensor:
+    """Indices of the rotary pairs that carry a phase residual: the odd f (SPEC §2). [F // 2]."""
+    return torch.arange(1, num_pairs, 2)
+
+
+def pair_ratio(a_i: torch.Tensor, d_i: torch.Tensor, a_j: torch.Tensor, d_j: torch.Tensor) -> torch.Tensor:
+    """r_{ij,f} = (A_{i,f} + A_{j,f}) / (D_{i,f} + D_{j,f}) in [0, 1] (Eq. pair_availability_ratio).
+
+    a_i, d_i: [..., Lq, F]; a_j, d_j: [..., Lk, F]  ->  [..., Lq, Lk, F] (fp32).
+    """
+    return (a_i.unsqueeze(-2) + a_j.unsqueeze(-3)) / (d_i.unsqueeze(-2) + d_j.unsqueeze(-3))
+
+
+def angularize(r: torch.Tensor, clip_kappa: float) -> torch.Tensor:
+    """s = arccos(clip(2r - 1, -1 + kappa, 1 - kappa)) - pi/2 (Eq. mdangle with SPEC's clip)."""
+    return torch.acos((2.0 * r - 1.0).clamp(-1.0 + clip_kappa, 1.0 - clip_kappa)) - math.pi / 2
+
+
+class PhaseParams(NamedTuple):
+    """The four tensors of one layer's phase MLP: W1 [H, F], b1 [H], W2 [|M|, H], b2 [|M|]."""
+
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+
+
+def phase_residual(s: torch.Tensor, params: PhaseParams, tau_max: float) -> torch.Tensor:
+    """delta = tau_max * tanh(W2 SiLU(W1 s + b1) + b2) (Eq. phase_mlp), fp32. s [..., F] -> [..., |M|]."""
+    hidden = F.silu(F.linear(s, params.w1.float(), params.b1.float()))
+    return tau_max * torch.tanh(F.linear(hidden, params.w2.float(), params.b2.float()))
+
+
+def pair_phase(
+    a_i: torch.Tensor,
+    d_i: torch.Tensor,
+    a_j: torch.Tensor,
+    d_j: torch.Tensor,
+    params: PhaseParams,
+    tau_max: float,
+    clip_kappa: float,
+) -> torch.Tensor:
+    """delta_{ij,m} for every query row i and key column j: r -> s -> MLP. [..., Lq, Lk, |M|] fp32."""
+    return phase_residual(angularize(pair_ratio(a_i, d_i, a_j, d_j), clip_kappa), params, tau_max)
+
+
+class PhaseMLP(nn.Module):
+    """One attention layer's phase MLP: F -> H (SiLU) -> |M| = F/2, output zero-initialised.
+
+    With W2 = b2 = 0 the residual is exactly 0 and the layer is plain RoPE attention.
+    """
+
+    def __init__(self, num_pairs: int, hidden: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if num_pairs < 2:
+            raise ValueError(f"MDLMPE needs at least 2 rotary pairs (head_dim >= 4), got F={num_pairs}")
+        self.num_pairs = num_pairs
+        self.fc1 = nn.Linear(num_pairs, hidden, device=device)
+        self.fc2 = nn.Linear(hidden, len(mdlmpe_pairs(num_pairs)), device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.fc1.reset_parameters()
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def params(self) -> PhaseParams:
+        return PhaseParams(self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
