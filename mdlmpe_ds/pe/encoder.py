@@ -44,6 +44,18 @@ class LearnedCoordinate(nn.Module):
         return torch.sigmoid(self.fc2(F.silu(self.fc1(t)))).float()  # [L, F]
 
 
+class ProjectionLinear(nn.Linear):
+    """W_p (F -> d) initialised N(0, 1/F) with b_p = 0 by its own constructor (SPEC §2: b_p = 0).
+
+    With A in [0, 1]^F this keeps each coordinate of z = W_p A + b_p of order one, so the gate
+    gamma alone sets the size of the embedding perturbation (Eq. embedding_perturbation_bound).
+    """
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.in_features))
+        nn.init.zeros_(self.bias)
+
+
 class MDLMPEEncoder(nn.Module):
     """Builds the availability features once per forward and applies the gated embedding path.
 
@@ -67,8 +79,9 @@ class MDLMPEEncoder(nn.Module):
         self.rope_theta = rope_theta
         self.mask_token_id = mask_token_id
         if config.use_embedding:
-            self.proj = nn.Linear(self.num_pairs, hidden_size, device=device)
-            self.gate_logit = nn.Parameter(torch.empty((), device=device))
+            self.proj = ProjectionLinear(self.num_pairs, hidden_size, device=device)
+            # Shape [1], not a 0-dim scalar: ZeRO-3 cannot partition 0-dim parameters.
+            self.gate_logit = nn.Parameter(torch.full((1,), self.initial_gate_logit(), device=device))
         else:
             self.register_parameter("proj", None)
             self.register_parameter("gate_logit", None)
@@ -77,15 +90,21 @@ class MDLMPEEncoder(nn.Module):
             if config.coordinate == "mlp"
             else None
         )
-        self.reset_parameters()
+
+    def initial_gate_logit(self) -> float:
+        """g with gamma_max * sigmoid(g) = gamma_init."""
+        ratio = self.config.gamma_init / self.config.gamma_max
+        return math.log(ratio / (1.0 - ratio))
 
     def reset_parameters(self) -> None:
+        """Re-initialise (e.g. on gathered ZeRO-3 parameters); construction needs no call to it."""
         if self.proj is not None:
-            nn.init.normal_(self.proj.weight, std=1.0 / math.sqrt(self.num_pairs))
-            nn.init.zeros_(self.proj.bias)
-            ratio = self.config.gamma_init / self.config.gamma_max
+            self.proj.reset_parameters()
             with torch.no_grad():
-                self.gate_logit.fill_(math.log(ratio / (1.0 - ratio)))
+                self.gate_logit.fill_(self.initial_gate_logit())
+        if self.coordinate is not None:
+            self.coordinate.fc1.reset_parameters()
+            self.coordinate.fc2.reset_parameters()
 
     @property
     def gamma(self) -> torch.Tensor:

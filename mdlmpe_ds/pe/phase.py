@@ -61,10 +61,25 @@ def pair_phase(
     return phase_residual(angularize(pair_ratio(a_i, d_i, a_j, d_j), clip_kappa), params, tau_max)
 
 
+class ZeroLinear(nn.Linear):
+    """``nn.Linear`` whose own constructor zero-initialises it.
+
+    Initialising inside the owner's constructor (not from a parent's) keeps the value under
+    ``deepspeed.zero.Init``, which partitions each module as soon as its own ``__init__`` returns.
+    """
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 class PhaseMLP(nn.Module):
     """One attention layer's phase MLP: F -> H (SiLU) -> |M| = F/2, output zero-initialised.
 
-    With W2 = b2 = 0 the residual is exactly 0 and the layer is plain RoPE attention.
+    With W2 = b2 = 0 the residual is exactly 0 and the layer is plain RoPE attention. Each layer
+    initialises itself in its own constructor (default ``nn.Linear`` init for W1, b1; zeros for
+    W2, b2), so building under ``deepspeed.zero.Init`` gives the same initial values.
     """
 
     def __init__(self, num_pairs: int, hidden: int, device: torch.device | str | None = None) -> None:
@@ -73,13 +88,12 @@ class PhaseMLP(nn.Module):
             raise ValueError(f"MDLMPE needs at least 2 rotary pairs (head_dim >= 4), got F={num_pairs}")
         self.num_pairs = num_pairs
         self.fc1 = nn.Linear(num_pairs, hidden, device=device)
-        self.fc2 = nn.Linear(hidden, len(mdlmpe_pairs(num_pairs)), device=device)
-        self.reset_parameters()
+        self.fc2 = ZeroLinear(hidden, len(mdlmpe_pairs(num_pairs)), device=device)
 
     def reset_parameters(self) -> None:
+        """Re-initialise (e.g. on gathered ZeRO-3 parameters); construction needs no call to it."""
         self.fc1.reset_parameters()
-        nn.init.zeros_(self.fc2.weight)
-        nn.init.zeros_(self.fc2.bias)
+        self.fc2.reset_parameters()
 
     def params(self) -> PhaseParams:
         return PhaseParams(self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
