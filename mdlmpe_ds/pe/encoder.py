@@ -119,11 +119,26 @@ class MDLMPEEncoder(nn.Module):
             return torch.ones(seq_len, self.num_pairs, device=device)
         return sine_basis(seq_len, self.head_dim, self.rope_theta, device)
 
-    def features(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> AvailabilityFeatures:
-        """b, a from the model input (never clean targets), then A, D (fp32, O(L W F))."""
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> AvailabilityFeatures:
+        """b, a from the model input (never clean targets), then A, D (fp32, O(L W F)).
+
+        ``positions`` [B, L] (optional) are the RoPE positions t of each token when they are not
+        0..L-1, e.g. ``cumsum(valid) - 1`` under left padding: the basis c_t is indexed by t, so a
+        left-padded row gets the same features as the unpadded one.
+        """
         b, a = availability(input_ids, self.mask_token_id, valid)
         taps = gaussian_taps(self.config.window, self.config.sigma, input_ids.device)
-        A, D = token_summaries(b, a, self.basis(input_ids.shape[-1], input_ids.device), taps, self.config.eps)
+        if positions is None:
+            coordinate = self.basis(input_ids.shape[-1], input_ids.device)  # [L, F]
+        else:
+            table = self.basis(int(positions.max()) + 1, input_ids.device)
+            coordinate = table[positions.clamp(min=0)]  # [B, L, F]
+        A, D = token_summaries(b, a, coordinate, taps, self.config.eps)
         return AvailabilityFeatures(b, a, A, D)
 
     def embed(self, embeddings: torch.Tensor, features: AvailabilityFeatures) -> torch.Tensor:

@@ -192,3 +192,17 @@ def test_ablation_switches_change_the_summaries():
     learned = feats(coordinate="mlp")
     ratio = (learned.A / learned.D).detach()
     assert learned.A.requires_grad and 0 <= float(ratio.min()) <= float(ratio.max()) <= 1
+
+
+def test_left_padding_with_positions_gives_unpadded_features():
+    enc = MDLMPEEncoder(MDLMPEConfig(max_seq_len=64), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK)
+    ids = torch.tensor([[5, MASK, 6, 7, MASK, 8, 9, MASK]])
+    plain = enc.features(ids)
+    padded_ids = torch.cat([torch.full((1, 5), 3), ids], dim=1)
+    valid = torch.cat([torch.zeros(1, 5, dtype=torch.bool), torch.ones(1, 8, dtype=torch.bool)], dim=1)
+    positions = valid.long().cumsum(-1) - 1
+    padded = enc.features(padded_ids, valid, positions)
+    torch.testing.assert_close(padded.A[:, 5:], plain.A, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(padded.D[:, 5:], plain.D, rtol=1e-6, atol=1e-7)
+    shifted = enc.features(padded_ids, valid)  # without positions the basis shifts with the padding
+    assert not torch.allclose(shifted.A[:, 5:], plain.A, atol=1e-5)
