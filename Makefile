@@ -39,7 +39,7 @@ format: venv
 	$(BIN)/ruff check --fix mdlmpe_ds launch tests benchmarks
 
 demo: venv
-	$(BIN)/deepspeed --num_gpus 2 launch/sft.py --deepspeed ds_configs/zero3.json
+	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/sft.py --deepspeed ds_configs/zero3.json
 
 bench: venv
 	$(BIN)/python benchmarks/bench_attention.py

@@ -56,15 +56,25 @@ def mdlmpe_attention(
         return rope_attention(q, k, v, key_valid, scale)
     fn = resolve_backend(config.backend)
     kwargs = {}
-    if config.backend in ("blocked", "triton"):
-        kwargs["block_size"] = config.block_size
+    if config.backend == "triton":
+        kwargs["block_size"] = config.triton_tile
     if config.backend == "blocked":
+        kwargs["block_size"] = config.block_size
         kwargs["checkpoint"] = config.checkpoint_blocks
         kwargs["compile"] = config.compile
     return fn(
-        q, k, v, A, D, phase,
-        tau_max=config.tau_max, clip_kappa=config.clip_kappa,
-        active_kv=active_kv, key_valid=key_valid, scale=scale, **kwargs,
+        q,
+        k,
+        v,
+        A,
+        D,
+        phase,
+        tau_max=config.tau_max,
+        clip_kappa=config.clip_kappa,
+        active_kv=active_kv,
+        key_valid=key_valid,
+        scale=scale,
+        **kwargs,
     )
 
 

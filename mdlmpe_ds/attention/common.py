@@ -21,7 +21,9 @@ def repeat_kv(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
-def key_padding_bias(key_valid: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+def key_padding_bias(
+    key_valid: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
     """[B, L] bool -> additive bias [B, 1, 1, L] (0 where valid, finfo(float32).min where not)."""
     if key_valid is None or bool(key_valid.all()):
         return None

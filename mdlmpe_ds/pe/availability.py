@@ -113,4 +113,3 @@ def dense_weights(a: torch.Tensor, window: int, sigma: float, eps: float) -> tor
     kernel = torch.exp(-(dist**2) / (2.0 * sigma**2)) * (dist.abs() <= window)
     raw = kernel.to(torch.float32).unsqueeze(0) * a.unsqueeze(1)  # [B, L, L]
     return raw / (raw.sum(-1, keepdim=True) + eps)
-

@@ -45,6 +45,9 @@ class MDLMPEConfig:
     # --- attention implementation ---
     backend: str = "blocked"
     block_size: int = 128
+    # Query/key tile of the fused Triton kernel: a power of 2, at most 64 (on a GPU at least 16;
+    # 16-32 at d_h = 128). Separate from block_size, the blocked path's query block.
+    triton_tile: int = 32
     # torch.compile the blocked path's two regions (a switch; eager gives the same numbers).
     compile: bool = False
     # Per-block activation checkpointing in the blocked path (recompute pair phases in backward).
@@ -56,9 +59,9 @@ class MDLMPEConfig:
 
         if self.max_seq_len < 1:
             raise bad("max_seq_len", "must be >= 1")
-        if not 0 < self.window_ratio:
+        if not self.window_ratio > 0:
             raise bad("window_ratio", "must be > 0")
-        if not 0 < self.rho:
+        if not self.rho > 0:
             raise bad("rho", "must be > 0")
         if not 0 < self.eps < 1e-2:
             raise bad("eps", "must be in (0, 1e-2)")
@@ -76,6 +79,8 @@ class MDLMPEConfig:
             raise bad("backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.block_size < 1:
             raise bad("block_size", "must be >= 1")
+        if not (1 <= self.triton_tile <= 64 and self.triton_tile & (self.triton_tile - 1) == 0):
+            raise bad("triton_tile", "must be a power of 2 no larger than 64")
         return self
 
     @property
@@ -83,7 +88,7 @@ class MDLMPEConfig:
         """W = round(window_ratio * L_ref) (Eq. main_gaussian); 0 when the Gaussian is ablated."""
         if not self.use_gaussian:
             return 0
-        return int(math.floor(self.window_ratio * self.max_seq_len + 0.5))
+        return math.floor(self.window_ratio * self.max_seq_len + 0.5)
 
     @property
     def sigma(self) -> float:

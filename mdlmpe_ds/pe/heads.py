@@ -23,7 +23,7 @@ def head_fraction(update: int, total_updates: int) -> float:
 
 def active_head_count(fraction: float, num_kv_heads: int) -> int:
     """h = round(alpha * H_kv), halves rounded up so the count never depends on banker's rounding."""
-    return int(math.floor(fraction * num_kv_heads + 0.5))
+    return math.floor(fraction * num_kv_heads + 0.5)
 
 
 def activation_order(num_kv_heads: int) -> list[int]:
@@ -49,7 +49,9 @@ def active_kv_heads(count: int, num_kv_heads: int) -> torch.Tensor:
 
 def scheduled_kv_heads(update: int, total_updates: int, num_kv_heads: int) -> torch.Tensor:
     """Active-head mask at optimizer update n of N under the SFT schedule. [H_kv] bool."""
-    return active_kv_heads(active_head_count(head_fraction(update, total_updates), num_kv_heads), num_kv_heads)
+    return active_kv_heads(
+        active_head_count(head_fraction(update, total_updates), num_kv_heads), num_kv_heads
+    )
 
 
 def query_head_mask(kv_mask: torch.Tensor, num_query_heads: int) -> torch.Tensor:

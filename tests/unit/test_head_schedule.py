@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -16,7 +18,18 @@ from mdlmpe_ds.pe.heads import (
 
 
 @pytest.mark.parametrize(
-    "progress,expected", [(0.0, 0.0), (0.05, 0.0), (0.1, 0.0), (0.15, 0.0625), (0.5, 0.5), (0.85, 0.9375), (0.3, 0.25), (0.9, 1.0), (1.0, 1.0)]
+    "progress,expected",
+    [
+        (0.0, 0.0),
+        (0.05, 0.0),
+        (0.1, 0.0),
+        (0.15, 0.0625),
+        (0.5, 0.5),
+        (0.85, 0.9375),
+        (0.3, 0.25),
+        (0.9, 1.0),
+        (1.0, 1.0),
+    ],
 )
 def test_head_fraction_eq_sft_head_warmup(progress, expected):
     assert head_fraction(round(progress * 1000), 1000) == pytest.approx(expected)
@@ -47,7 +60,7 @@ def test_prefixes_are_nested_and_evenly_spread(num_heads):
         previous = mask
         if count >= 2:
             chosen = mask.nonzero().flatten().tolist()
-            gaps = [b - a for a, b in zip(chosen, chosen[1:])] + [chosen[0] + num_heads - chosen[-1]]
+            gaps = [b - a for a, b in itertools.pairwise(chosen)] + [chosen[0] + num_heads - chosen[-1]]
             assert max(gaps) <= 2 * num_heads / count + 1  # roughly uniform over [0, H_kv - 1]
 
 

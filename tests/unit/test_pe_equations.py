@@ -70,6 +70,8 @@ def test_window_and_sigma_defaults():
     assert MDLMPEConfig(max_seq_len=1024, use_gaussian=False).window == 0
     assert MDLMPEConfig(max_seq_len=8).window == 2  # round(1.5) rounds half up, not down or to even
     assert MDLMPEConfig(max_seq_len=24).window == 5  # round(4.5)
+    with pytest.raises(ValueError, match="triton_tile"):
+        MDLMPEConfig(triton_tile=48).validate()
     assert MDLMPEConfig().hidden_width(64) == 32 and MDLMPEConfig().hidden_width(8) == 16
 
 
@@ -144,8 +146,20 @@ def test_phase_mlp_shapes_split_and_zero_init():
     assert tuple(mlp.fc1.weight.shape) == (16, 8) and tuple(mlp.fc2.weight.shape) == (4, 16)
     assert mlp.fc2.weight.abs().sum() == 0 and mlp.fc2.bias.abs().sum() == 0
     s = torch.randn(5, 8)
-    assert pair_phase(s[None, :, :4].abs(), s[None, :, :4].abs() + 1, s[None, :, :4].abs(),
-                      s[None, :, :4].abs() + 1, PhaseMLP(4, 16).params(), 0.25, 1e-4).abs().max() == 0
+    assert (
+        pair_phase(
+            s[None, :, :4].abs(),
+            s[None, :, :4].abs() + 1,
+            s[None, :, :4].abs(),
+            s[None, :, :4].abs() + 1,
+            PhaseMLP(4, 16).params(),
+            0.25,
+            1e-4,
+        )
+        .abs()
+        .max()
+        == 0
+    )
 
 
 def test_embedding_path_eq_embedding_injection():
@@ -165,8 +179,11 @@ def test_embedding_path_eq_embedding_injection():
     out = enc.embed(e, feats)
     gamma = 0.1 / (1 + math.exp(-0.3))
     for i in range(10):
-        z = [sum(enc.proj.weight[d, f].item() * feats.A[0, i, f].item() for f in range(4)) + enc.proj.bias[d].item()
-             for d in range(6)]
+        z = [
+            sum(enc.proj.weight[d, f].item() * feats.A[0, i, f].item() for f in range(4))
+            + enc.proj.bias[d].item()
+            for d in range(6)
+        ]
         for d in range(6):
             assert out[0, i, d].item() == pytest.approx(e[0, i, d].item() + gamma * z[d], rel=1e-5, abs=1e-6)
 
@@ -239,9 +256,12 @@ def test_reference_relative_angle_is_rope_plus_delta():
                 rel = (j - i) * omega[f] + (delta[0, i, j, 0] if f == 1 else 0.0)
                 q1, q2 = q0[0, 0, i, f], q0[0, 0, i, f + num_pairs]
                 k1, k2 = k0[0, 0, j, f], k0[0, 0, j, f + num_pairs]
-                scores[i, j] += q1 * (rel.cos() * k1 - rel.sin() * k2) + q2 * (rel.sin() * k1 + rel.cos() * k2)
-    torch.testing.assert_close(probs[:, :length], torch.softmax(scores / math.sqrt(head_dim), -1), rtol=1e-5,
-                               atol=1e-6)
+                scores[i, j] += q1 * (rel.cos() * k1 - rel.sin() * k2) + q2 * (
+                    rel.sin() * k1 + rel.cos() * k2
+                )
+    torch.testing.assert_close(
+        probs[:, :length], torch.softmax(scores / math.sqrt(head_dim), -1), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_reference_padding_ignores_padded_keys_and_stays_finite():
@@ -259,7 +279,15 @@ def test_reference_padding_ignores_padded_keys_and_stays_finite():
     key_valid[0, length:] = False
     key_valid[1] = False  # a padding-only row
     out = reference_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4, key_valid=key_valid)
-    short = reference_attention(q[:1, :, :length], k[:1, :, :length], v[:1, :, :length], A[:1, :length],
-                                D[:1, :length], mlp.params(), tau_max=0.25, clip_kappa=1e-4)
+    short = reference_attention(
+        q[:1, :, :length],
+        k[:1, :, :length],
+        v[:1, :, :length],
+        A[:1, :length],
+        D[:1, :length],
+        mlp.params(),
+        tau_max=0.25,
+        clip_kappa=1e-4,
+    )
     torch.testing.assert_close(out[:1, :, :length], short, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(out).all()

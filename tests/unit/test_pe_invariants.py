@@ -17,7 +17,9 @@ EPS = 1e-6
 MASK = 0
 
 
-def summaries(b: torch.Tensor, a: torch.Tensor, window: int, sigma: float, head_dim: int = 16, theta=500000.0):
+def summaries(
+    b: torch.Tensor, a: torch.Tensor, window: int, sigma: float, head_dim: int = 16, theta=500000.0
+):
     c = sine_basis(b.shape[-1], head_dim, theta)
     return token_summaries(b, a, c, gaussian_taps(window, sigma), EPS)
 
@@ -39,7 +41,7 @@ def test_ratio_bounds_eq_ratio_bound():
 def test_endpoints_all_masked_zero_all_revealed_one(length, window, sigma):
     """Row normalisation makes the endpoint ratios position independent, boundaries included (F.5)."""
     a = torch.ones(1, length)
-    A0, D0 = summaries(torch.zeros(1, length), a, window, sigma)
+    A0, _ = summaries(torch.zeros(1, length), a, window, sigma)
     assert torch.all(A0 == 0)  # all masked: exactly 0 everywhere
     A1, D1 = summaries(a.clone(), a, window, sigma)
     r1 = A1 / D1
@@ -81,7 +83,7 @@ def test_no_effect_beyond_window():
     length, window, sigma = 80, 10, 2.5
     a = torch.ones(1, length)
     b = (torch.rand(1, length, generator=torch.Generator().manual_seed(1)) < 0.5).float()
-    A, D = summaries(b, a, window, sigma)
+    A, _ = summaries(b, a, window, sigma)
     i = 40
     for t in (i - window - 1, i + window + 1, 0, length - 1):
         flipped = b.clone()
@@ -101,7 +103,9 @@ def test_angle_derivative_eq_ratio_angle_derivative():
     assert grad[2].item() == pytest.approx(-2.0)  # |ds/dr| is minimal (= 2) at r = 1/2
     s = angularize(torch.tensor([0.0, 0.5, 1.0]), 1e-4)
     assert s[1].item() == pytest.approx(0.0, abs=1e-7)
-    assert s[0].item() == pytest.approx(math.pi / 2, abs=0.02) and s[2].item() == pytest.approx(-math.pi / 2, abs=0.02)
+    assert s[0].item() == pytest.approx(math.pi / 2, abs=0.02) and s[2].item() == pytest.approx(
+        -math.pi / 2, abs=0.02
+    )
     endpoint = torch.tensor([1.0, 0.0], requires_grad=True)
     (g_end,) = torch.autograd.grad(angularize(endpoint, 1e-4).sum(), endpoint)
     assert torch.isfinite(g_end).all()  # clipping removes the endpoint singularity
@@ -116,8 +120,9 @@ def test_exact_envelope_by_sorted_partial_sums_matches_brute_force():
     alpha = w * c / (w * c).sum()
     ordered = alpha.sort(descending=True).values
     masks = torch.tensor(list(itertools.product([0.0, 1.0], repeat=length)))
-    A, D = token_summaries(masks, torch.ones_like(masks), sine_basis(length, head_dim, 10.0),
-                           gaussian_taps(window, sigma), 1e-12)
+    A, D = token_summaries(
+        masks, torch.ones_like(masks), sine_basis(length, head_dim, 10.0), gaussian_taps(window, sigma), 1e-12
+    )
     r = (A / D)[:, i, f]
     counts = masks.sum(-1)
     for k in range(length + 1):
@@ -150,7 +155,9 @@ def test_equal_density_topologies_are_distinct():
 
 
 def test_features_follow_mask_state_and_ignore_content():
-    enc = MDLMPEEncoder(MDLMPEConfig(max_seq_len=32), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK)
+    enc = MDLMPEEncoder(
+        MDLMPEConfig(max_seq_len=32), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK
+    )
     ids = torch.tensor([[5, MASK, 6, 7, MASK, 8, 9, MASK, 3, 4]])
     base = enc.features(ids)
     revealed = ids.clone()
@@ -163,7 +170,9 @@ def test_features_follow_mask_state_and_ignore_content():
 
 
 def test_padding_amount_does_not_change_features_of_real_positions():
-    enc = MDLMPEEncoder(MDLMPEConfig(max_seq_len=64), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK)
+    enc = MDLMPEEncoder(
+        MDLMPEConfig(max_seq_len=64), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK
+    )
     ids = torch.tensor([[5, MASK, 6, 7, MASK, 8, 9, MASK]])
     short = enc.features(ids, torch.ones_like(ids, dtype=torch.bool))
     padded_ids = torch.cat([ids, torch.full((1, 9), 3)], dim=1)
@@ -195,7 +204,9 @@ def test_ablation_switches_change_the_summaries():
 
 
 def test_left_padding_with_positions_gives_unpadded_features():
-    enc = MDLMPEEncoder(MDLMPEConfig(max_seq_len=64), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK)
+    enc = MDLMPEEncoder(
+        MDLMPEConfig(max_seq_len=64), head_dim=8, hidden_size=4, rope_theta=1e4, mask_token_id=MASK
+    )
     ids = torch.tensor([[5, MASK, 6, 7, MASK, 8, 9, MASK]])
     plain = enc.features(ids)
     padded_ids = torch.cat([torch.full((1, 5), 3), ids], dim=1)

@@ -1,0 +1,85 @@
+"""Export a training checkpoint to a consolidated Hugging Face-format directory.
+
+    python launch/export.py outputs/sft-demo/checkpoints/latest outputs/sft-demo/export [--dtype bf16]
+
+CHECKPOINT may be a step directory, the `latest` file, a `checkpoints/` folder or the run's
+output_dir (then the newest COMPLETE checkpoint is used). The ZeRO-3 shards are consolidated in this
+one process from the fp32 master weights (DeepSpeed's zero_to_fp32 reader; no GPU, no process
+group), written as config.json + sharded safetensors + index under the upstream parameter names
+plus the MDLMPE keys (models/hf_io.save_pretrained), and the run's tokenizer files are copied in.
+`mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_shard_gb: float = 5.0) -> Path:
+    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds import engine
+    from mdlmpe_ds.models.config import ModelConfig
+    from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.models.transformer import DiffusionLM
+
+    step_dir = ckpt.resolve_checkpoint(checkpoint)
+    saved = ckpt.read_saved_run(step_dir)
+    config = ModelConfig.from_dict(saved.model_config)
+    config.gradient_checkpointing = False
+    state = engine.fp32_state_dict_from_checkpoint(step_dir)
+    # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
+    with torch.device("meta"):
+        reference = dict(DiffusionLM(config).state_dict())
+    converted = {}
+    for name, tensor in state.items():
+        want = reference.get(name)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape) and want.numel() == tensor.numel():
+            tensor = tensor.reshape(want.shape)
+        converted[name] = tensor.to(DTYPES[dtype])
+    out = Path(out)
+    files = save_pretrained(converted, out, config, max_shard_bytes=int(max_shard_gb * 1024**3))
+    copied = []
+    if saved.tokenizer and Path(saved.tokenizer).is_dir():
+        for name in TOKENIZER_FILES:
+            src = Path(saved.tokenizer) / name
+            if src.is_file():
+                shutil.copy2(src, out / name)
+                copied.append(name)
+    print(
+        f"exported {step_dir} (update {saved.step}) -> {out}: {len(files)} files, "
+        f"{sum(t.numel() for t in converted.values()):,} parameters ({dtype}); "
+        f"tokenizer files: {copied or 'none'}"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--max_shard_gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""Blocked MDLMPE attention: the training path (SPEC §2 "Blocked attention", paper Appendix D).
+
+Same signature and numbers as :func:`mdlmpe_ds.attention.reference.reference_attention`, but the
+L x L x F pair tensor is never formed. The logit is written as RoPE plus a correction
+(paper Eq. main_final_angle expanded, shared/PERF.md):
+
+    S_ij = (q_i . k_j + E_ij) / sqrt(d_h),
+    E_ij = sum_{f in M} alpha_ijf (q1 k1 + q2 k2)_f + beta_ijf (q2 k1 - q1 k2)_f,
+    alpha = cos(delta) - 1 = -2 sin^2(delta / 2),  beta = sin(delta),
+
+which is q^T R(delta) k with R(delta) = [[cos, -sin], [sin, cos]] on the pair (dim f, dim f + F).
+The plain term stays one matmul over all of d_h; only E needs the pair phases delta_ij
+(Eq. app_pair_phase). Queries are processed in blocks of C rows:
+
+- region 1 (shared by every head and GQA group): alpha, beta [B, C, |M|, L] from row slices of A, D;
+- region 2 (per block, all active heads): E, the key-padding bias, softmax, PV.
+
+Each block runs under activation checkpointing, so only its inputs are kept for backward and the
+pair phases are recomputed there: O(C L F) extra live memory instead of O(L^2 F). Inactive heads
+never enter the pair path; they are plain RoPE SDPA over the whole sequence.
+
+Eager (the default) runs region 1 and E through autograd Functions with hand-written backward
+passes (:class:`PairCoefficients`, :class:`PairCorrection`) that keep few intermediates and work
+in place: ~1 KB per (i, j) pair of transient memory at d_h = 64 instead of ~1.4 KB through
+plain autograd. ``compile=True`` runs the plain expressions (:func:`pair_coefficients`,
+:func:`pair_correction` with ``fused=False``) through torch.compile instead, one graph per
+region, and lets inductor fuse and differentiate them. Graphs are specialised on shapes
+(``dynamic=False``): each distinct (B, H, L) compiles once (every block of a sequence has one
+shape, see :func:`_block_starts`), and dynamo's recompile limit (8 by default) falls back to
+eager past that, so with ``compile`` keep sequence lengths to a few fixed buckets.
+
+The pair path (r, s, the phase MLP, alpha, beta, E) and the scores run in fp32 whatever the
+dtype of q, k, v (all-bf16 pair math loses ~13% of the correction, PERF.md); the output is cast
+back to q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+from mdlmpe_ds.attention.common import key_padding_bias, rope_attention
+from mdlmpe_ds.pe.phase import PhaseParams, angularize, mdlmpe_pairs
+
+
+def pair_coefficients(
+    a_rows: torch.Tensor,
+    d_rows: torch.Tensor,
+    a_cols: torch.Tensor,
+    d_cols: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    tau_max: float,
+    clip_kappa: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Region 1: alpha = cos(delta) - 1 and beta = sin(delta) for one query block, head-shared.
+
+    a_rows, d_rows: [B, C, F] (the block's rows of A, D); a_cols, d_cols: [B, F, L] (A, D
+    transposed, so the key index is the fast axis); w1 [H, F], b1 [H], w2 [|M|, H], b2 [|M|] fp32.
+    Returns alpha, beta [B, C, |M|, L] fp32.
+
+    Same maths as :func:`mdlmpe_ds.pe.phase.pair_phase` (Eqs. pair_availability_ratio, mdangle,
+    phase_mlp) laid out feature-major: the MLP layers are batched matmuls [H, F] @ [F, L] per
+    query row instead of F.linear over a trailing feature axis, which avoids transposing the
+    [C, L, |M|] result for region 2.
+    """
+    # 1. Pair ratio r_ij,f = (A_i + A_j) / (D_i + D_j) and its angle s (Eqs. 4-5).   [B, C, F, L]
+    r = (a_rows.unsqueeze(-1) + a_cols.unsqueeze(1)) / (d_rows.unsqueeze(-1) + d_cols.unsqueeze(1))
+    s = angularize(r, clip_kappa)
+    del r  # locals would keep every [C, F, L] intermediate alive until return
+    # 2. Phase MLP delta = tau_max tanh(W2 SiLU(W1 s + b1) + b2) (Eq. phase_mlp).   [B, C, |M|, L]
+    hidden = F.silu(torch.matmul(w1, s) + b1.unsqueeze(-1))  # [B, C, H, L]
+    del s
+    delta = tau_max * torch.tanh(torch.matmul(w2, hidden) + b2.unsqueeze(-1))
+    del hidden
+    # 3. alpha as -2 sin^2(delta/2): cos(delta) - 1 cancels catastrophically for small delta.
+    half = torch.sin(0.5 * delta)
+    return -2.0 * half * half, torch.sin(delta)
+
+
+class PairCoefficients(torch.autograd.Function):
+    """Region 1 with a hand-written backward (the eager path): same maths as
+    :func:`pair_coefficients`, computed in place and keeping for backward only the five
+    intermediates it needs (s, SiLU output and slope, tanh output; the arccos slope, r and the
+    denominator only when A, D need gradients, i.e. with the learned coordinate). Autograd keeps
+    ~10 (~1.2 KB per (i, j) at F = 32). Under per-block checkpointing nothing of it outlives the
+    block; the first forward's saves are dropped and the recompute's are used once.
+    """
+
+    @staticmethod
+    def forward(ctx, a_rows, d_rows, a_cols, d_cols, w1, b1, w2, b2, tau_max, clip_kappa):
+        need_ad = any(ctx.needs_input_grad[:4])
+        # 1. r = num / denom, x = clip(2r - 1), s = arccos(x) - pi/2 (Eqs. 4-5).      [B, C, F, L]
+        denom = d_rows.unsqueeze(-1) + d_cols.unsqueeze(1)
+        r = (a_rows.unsqueeze(-1) + a_cols.unsqueeze(1)).div_(denom)
+        x = r.mul(2.0).sub_(1.0)
+        inside = (x >= -1.0 + clip_kappa) & (x <= 1.0 - clip_kappa) if need_ad else None
+        x.clamp_(-1.0 + clip_kappa, 1.0 - clip_kappa)
+        s = torch.acos(x).sub_(0.5 * math.pi)
+        ad_saved = ()
+        if need_ad:  # ds/dr = -2 / sqrt(1 - x^2) where the clip passes gradient, 0 where it clips
+            ad_saved = (r, denom, x.mul_(x).neg_().add_(1.0).rsqrt_().mul_(-2.0).mul_(inside))
+        del x, inside
+        # 2. Phase MLP; SiLU' = sigmoid(u) (1 + u (1 - sigmoid(u))) (Eq. phase_mlp).     [B, C, H, L]
+        u = torch.matmul(w1, s).add_(b1.unsqueeze(-1))
+        gate = torch.sigmoid(u)
+        hidden = u * gate
+        silu_slope = u.mul_(1.0 - gate).add_(1.0).mul_(gate)
+        del u, gate
+        t = torch.tanh(torch.matmul(w2, hidden).add_(b2.unsqueeze(-1)))  # [B, C, |M|, L]
+        # 3. alpha = -2 sin^2(delta / 2) (no cancellation for small delta), beta = sin(delta).
+        delta = t * tau_max
+        beta = torch.sin(delta)
+        alpha = delta.mul_(0.5).sin_().square_().mul_(-2.0)
+        ctx.save_for_backward(w1, w2, s, hidden, silu_slope, t, *ad_saved)
+        ctx.tau_max = tau_max
+        return alpha, beta
+
+    @staticmethod
+    def backward(ctx, grad_alpha, grad_beta):
+        w1, w2, s, hidden, silu_slope, t, *ad_saved = ctx.saved_tensors
+        tau_max = ctx.tau_max
+        # 1. d alpha/d delta = -sin(delta), d beta/d delta = cos(delta); tanh' = 1 - t^2. [B, C, |M|, L]
+        delta = t * tau_max
+        sin_delta = torch.sin(delta)
+        grad_z = delta.cos_().mul_(grad_beta).addcmul_(sin_delta, grad_alpha, value=-1.0)
+        del sin_delta
+        grad_z.mul_(1.0 - t * t).mul_(tau_max)
+        grad_w2 = torch.matmul(grad_z, hidden.transpose(-1, -2)).sum(dim=(0, 1))  # [|M|, H]
+        grad_b2 = grad_z.sum(dim=(0, 1, 3))
+        # 2. Through the SiLU layer.                                                     [B, C, H, L]
+        grad_u = torch.matmul(w2.transpose(0, 1), grad_z).mul_(silu_slope)
+        del grad_z
+        grad_w1 = torch.matmul(grad_u, s.transpose(-1, -2)).sum(dim=(0, 1))  # [H, F]
+        grad_b1 = grad_u.sum(dim=(0, 1, 3))
+        grads_ad = (None, None, None, None)
+        if ad_saved:
+            # 3. Through s(r) and r = num / denom: d r/d num = 1/denom, d r/d denom = -r/denom.
+            r, denom, slope = ad_saved
+            grad_num = torch.matmul(w1.transpose(0, 1), grad_u).mul_(slope).div_(denom)  # [B, C, F, L]
+            grad_den = -(grad_num * r)
+            grads_ad = (grad_num.sum(-1), grad_den.sum(-1), grad_num.sum(1), grad_den.sum(1))
+        return (*grads_ad, grad_w1, grad_b1, grad_w2, grad_b2, None, None)
+
+
+class PairCorrection(torch.autograd.Function):
+    """E for one query block with a hand-written backward (the eager path).
+
+    Autograd through a broadcast expression would keep the rotated keys of every head
+    ([B, Ha, C, 2|M|, L], the biggest tensor of the block) for backward; this saves only its
+    inputs and recomputes one KV head's rotated keys at a time into reused buffers (fresh large
+    allocations page-fault on every op, which costs as much as the arithmetic on CPU).
+
+    Shapes: qp [B, Ha, C, G, 2|M|] (q1, q2 of the MDLMPE pairs); ka = (k1, k2) and
+    kb = (-k2, k1) stacked as [B, Ha, 2, |M|, L]; alpha, beta [B, C, |M|, L]. The rotated keys of
+    head g are alpha ka + beta kb: row 0 is alpha k1 - beta k2, row 1 alpha k2 + beta k1, and
+    E = qp @ rotated. Output [B, Ha, C, G, L].
+    """
+
+    @staticmethod
+    def forward(ctx, qp, ka, kb, alpha, beta):
+        ctx.save_for_backward(qp, ka, kb, alpha, beta)
+        batch, rows, num_mdl, length = alpha.shape
+        num_kv, group = qp.shape[1], qp.shape[3]
+        a, b = alpha.unsqueeze(2), beta.unsqueeze(2)  # [B, C, 1, |M|, L]
+        rotated = alpha.new_empty(batch, rows, 2, num_mdl, length)
+        out = alpha.new_empty(num_kv, batch, rows, group, length)
+        for g in range(num_kv):
+            torch.mul(a, ka[:, g].unsqueeze(1), out=rotated).addcmul_(b, kb[:, g].unsqueeze(1))
+            torch.matmul(qp[:, g], rotated.view(batch, rows, 2 * num_mdl, length), out=out[g])
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qp, ka, kb, alpha, beta = ctx.saved_tensors
+        batch, rows, num_mdl, length = alpha.shape
+        num_kv = qp.shape[1]
+        a, b = alpha.unsqueeze(2), beta.unsqueeze(2)  # [B, C, 1, |M|, L]
+        d_alpha, d_beta = torch.zeros_like(alpha), torch.zeros_like(beta)
+        d_qp = torch.empty_like(qp.transpose(0, 1))  # [Ha, B, C, G, 2|M|]
+        d_ka, d_kb = ka.new_empty(num_kv, *ka[:, 0].shape), kb.new_empty(num_kv, *kb[:, 0].shape)
+        rotated = alpha.new_empty(batch, rows, 2, num_mdl, length)
+        d_rot = torch.empty_like(rotated)
+        for g in range(num_kv):
+            grad_g = grad[:, g]  # [B, C, G, L]
+            ka_g, kb_g = ka[:, g].unsqueeze(1), kb[:, g].unsqueeze(1)  # [B, 1, 2, |M|, L]
+            torch.mul(a, ka_g, out=rotated).addcmul_(b, kb_g)
+            flat = (batch, rows, 2 * num_mdl, length)
+            torch.matmul(grad_g, rotated.view(flat).transpose(-1, -2), out=d_qp[g])
+            torch.matmul(qp[:, g].transpose(-1, -2), grad_g, out=d_rot.view(flat))
+            # rotated = alpha ka + beta kb: alpha, beta are shared by the two rows, ka, kb by the C rows.
+            for row in (0, 1):
+                d_alpha.addcmul_(d_rot[:, :, row], ka[:, g, row].unsqueeze(1))
+                d_beta.addcmul_(d_rot[:, :, row], kb[:, g, row].unsqueeze(1))
+            product = rotated  # the rotated keys are used up: reuse their buffer
+            torch.mul(d_rot, a, out=product)
+            torch.sum(product, dim=1, out=d_ka[g])
+            torch.mul(d_rot, b, out=product)
+            torch.sum(product, dim=1, out=d_kb[g])
+        return d_qp.transpose(0, 1), d_ka.transpose(0, 1), d_kb.transpose(0, 1), d_alpha, d_beta
+
+
+def pair_correction(
+    qp: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, fused: bool
+) -> torch.Tensor:
+    """E_ij = sum_m q1_im (alpha k1 - beta k2)_ijm + q2_im (alpha k2 + beta k1)_ijm.   [B, Ha, C, G, L]
+
+    Inputs as in :class:`PairCorrection`. ``fused`` uses its hand-written backward (eager);
+    otherwise a broadcast-multiply-sum per KV head that torch.compile fuses into loop nests
+    without materialising the rotated keys, and differentiates itself.
+    """
+    if fused:
+        return PairCorrection.apply(qp, ka, kb, alpha, beta)
+    # One broadcast-multiply-sum per KV head (unrolled in the graph): inductor's backward for a
+    # single all-heads expression reduces over heads in a poor loop order (1.5x slower overall).
+    batch, num_kv, rows, group, _ = qp.shape
+    num_mdl = alpha.shape[2]
+    a, b = alpha.unsqueeze(2), beta.unsqueeze(2)  # [B, C, 1, |M|, L]
+    heads = []
+    for g in range(num_kv):
+        rotated = a * ka[:, g].unsqueeze(1) + b * kb[:, g].unsqueeze(1)  # [B, C, 2, |M|, L]
+        q12 = qp[:, g].view(batch, rows, group, 2, num_mdl, 1)
+        heads.append((q12 * rotated.unsqueeze(2)).sum(dim=(3, 4)))  # [B, C, G, L]
+    return torch.stack(heads, dim=1)
+
+
+def block_attention(
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ka: torch.Tensor,
+    kb: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    bias: torch.Tensor | None,
+    pair_dims: torch.Tensor,
+    scale: float,
+    fused: bool,
+) -> torch.Tensor:
+    """Region 2: scores with the MDLMPE correction, softmax and PV for one query block.
+
+    q_rows [B, Ha, G, C, d_h] (query heads grouped by KV head), k, v [B, Ha, L, d_h];
+    ka, kb [B, Ha, 2, |M|, L] (key pairs of the MDLMPE pairs, see PairCorrection);
+    alpha, beta [B, C, |M|, L]; bias [B, 1, 1, 1, L] or None; pair_dims [2|M|] (dims f, f + F of
+    the odd f). All fp32. Returns [B, Ha, G, C, d_h].
+    """
+    # 1. Plain RoPE term, one matmul over all of d_h.                           [B, Ha, G, C, L]
+    scores = torch.matmul(q_rows, k.unsqueeze(2).transpose(-1, -2))
+    # 2. The MDLMPE correction E (head-shared alpha, beta; per-head key rotation).
+    qp = q_rows[..., pair_dims].transpose(2, 3)  # [B, Ha, C, G, 2|M|]
+    correction = pair_correction(qp, ka, kb, alpha, beta, fused)  # [B, Ha, C, G, L]
+    scores = (scores + correction.transpose(2, 3)) * scale
+    # 3. Key padding (finfo.min, as key_padding_bias), softmax, PV.
+    if bias is not None:
+        scores = scores + bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(2))
+
+
+@lru_cache(maxsize=1)
+def _compiled_regions() -> tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., torch.Tensor]]:
+    """The two regions wrapped by torch.compile, separately (fused, inductor recomputes the
+    sin/tanh chain once per head: 1.7x slower, PERF.md). Built on first use, never at import.
+    """
+    return (
+        torch.compile(pair_coefficients, dynamic=False),
+        torch.compile(block_attention, dynamic=False),
+    )
+
+
+def _block_starts(length: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
+    """(start, first_new_row) of every query block. ``aligned`` shifts the ragged last block back
+    so it ends at L with a full C rows (its overlap with the previous block is dropped): every
+    block then has one shape and a compiled region is traced once per (B, H, L), not twice.
+    """
+    starts = [(i, i) for i in range(0, length, block_size)]
+    if aligned and length > block_size and length % block_size:
+        last = starts[-1][1]
+        starts[-1] = (length - block_size, last)
+    return starts
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    active_kv: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    block_size: int,
+) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"blocked attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+            "expected q [B, Hq, L, d_h] and k, v [B, Hkv, L, d_h]"
+        )
+    batch, num_heads, length, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, length, head_dim) or num_heads % k.shape[1]:
+        raise ValueError(
+            f"blocked attention: k {tuple(k.shape)} does not fit q {tuple(q.shape)} (GQA needs "
+            "Hq a multiple of Hkv)"
+        )
+    num_pairs = head_dim // 2
+    if A.shape != (batch, length, num_pairs) or D.shape != A.shape:
+        raise ValueError(
+            f"blocked attention: A {tuple(A.shape)}, D {tuple(D.shape)}; expected "
+            f"{(batch, length, num_pairs)}"
+        )
+    if phase.w2.shape[0] != len(mdlmpe_pairs(num_pairs)) or phase.w1.shape[1] != num_pairs:
+        raise ValueError(
+            f"blocked attention: phase MLP w1 {tuple(phase.w1.shape)}, w2 {tuple(phase.w2.shape)} "
+            f"do not fit F={num_pairs}"
+        )
+    if active_kv is not None and active_kv.shape != (k.shape[1],):
+        raise ValueError(f"blocked attention: active_kv {tuple(active_kv.shape)}, expected ({k.shape[1]},)")
+    if key_valid is not None and key_valid.shape != (batch, length):
+        raise ValueError(f"blocked attention: key_valid {tuple(key_valid.shape)}, expected {(batch, length)}")
+    if block_size < 1:
+        raise ValueError(f"blocked attention: block_size must be >= 1, got {block_size}")
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    *,
+    tau_max: float,
+    clip_kappa: float,
+    active_kv: torch.Tensor | None = None,
+    key_valid: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int = 128,
+    checkpoint: bool = True,
+    compile: bool = False,
+) -> torch.Tensor:
+    """MDLMPE attention over query blocks of ``block_size`` rows; drop-in for ``reference_attention``.
+
+    q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (already RoPE-rotated); A, D [B, L, F] fp32;
+    ``active_kv`` [Hkv] bool (None: all heads); ``key_valid`` [B, L] bool. Returns [B, Hq, L, d_h]
+    in q's dtype. ``checkpoint`` recomputes each block in backward (O(C L F) live memory instead
+    of O(L^2 F) saved); ``compile`` runs the two regions through torch.compile (same numbers).
+    """
+    _check_inputs(q, k, v, A, D, phase, active_kv, key_valid, block_size)
+    num_heads, head_dim = q.shape[1], q.shape[3]
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if active_kv is None:
+        active_kv = torch.ones(num_kv, dtype=torch.bool)
+    active_kv = active_kv.detach().to(device="cpu", dtype=torch.bool)
+    if not bool(active_kv.any()):
+        return rope_attention(q, k, v, key_valid, scale)
+
+    # 1. Split heads: active KV heads (and their query groups) take the pair path.
+    kv_on = active_kv.nonzero().flatten().to(q.device)
+    q_on = (kv_on.unsqueeze(1) * group + torch.arange(group, device=q.device)).flatten()
+    out_on = _pair_path(
+        q.index_select(1, q_on),
+        k.index_select(1, kv_on),
+        v.index_select(1, kv_on),
+        A,
+        D,
+        phase,
+        key_valid,
+        scale,
+        tau_max,
+        clip_kappa,
+        block_size,
+        checkpoint,
+        compile,
+    )
+    if bool(active_kv.all()):
+        return out_on
+    # 2. Inactive heads: plain RoPE SDPA over the whole sequence, no pair work at all.
+    kv_off = (~active_kv).nonzero().flatten().to(q.device)
+    q_off = (kv_off.unsqueeze(1) * group + torch.arange(group, device=q.device)).flatten()
+    out_off = rope_attention(
+        q.index_select(1, q_off), k.index_select(1, kv_off), v.index_select(1, kv_off), key_valid, scale
+    )
+    # 3. Put every head back at its own index (out-of-place, so autograd sees it).
+    out = torch.cat((out_on, out_off), dim=1)
+    inverse = torch.argsort(torch.cat((q_on, q_off)))
+    return out.index_select(1, inverse)
+
+
+def _pair_path(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    key_valid: torch.Tensor | None,
+    scale: float,
+    tau_max: float,
+    clip_kappa: float,
+    block_size: int,
+    checkpoint: bool,
+    compile: bool,
+) -> torch.Tensor:
+    """MDLMPE attention for heads that are all active. q [B, Ha*G, L, d_h], k/v [B, Ha, L, d_h]."""
+    batch, num_heads, length, head_dim = q.shape
+    num_kv = k.shape[1]
+    num_pairs = head_dim // 2
+    pairs = mdlmpe_pairs(num_pairs).to(q.device)
+    pair_dims = torch.cat((pairs, num_pairs + pairs))  # [2|M|]: dims f and f + F of each odd f
+    # fp32 copies, O(L d_h): the pair path and scores run in fp32 whatever the input dtype.
+    qf = q.float().view(batch, num_kv, num_heads // num_kv, length, head_dim)  # [B, Ha, G, L, d_h]
+    kf, vf = k.float(), v.float()  # [B, Ha, L, d_h]
+    k1t = kf[..., pairs].transpose(-1, -2)  # [B, Ha, |M|, L]
+    k2t = kf[..., num_pairs + pairs].transpose(-1, -2)
+    ka = torch.stack((k1t, k2t), dim=2)  # [B, Ha, 2, |M|, L]
+    kb = torch.stack((-k2t, k1t), dim=2)
+    a_cols, d_cols = A.float().transpose(1, 2), D.float().transpose(1, 2)  # [B, F, L]
+    weights = tuple(t.float() for t in phase)
+    bias = key_padding_bias(key_valid)
+    bias = None if bias is None else bias.unsqueeze(1)  # [B, 1, 1, 1, L]
+    if compile:
+        coefficients, attend = _compiled_regions()
+    else:
+        coefficients, attend = PairCoefficients.apply, block_attention
+
+    def run_block(q_rows: torch.Tensor, a_rows: torch.Tensor, d_rows: torch.Tensor, *params: torch.Tensor):
+        alpha, beta = coefficients(a_rows, d_rows, a_cols, d_cols, *params, tau_max, clip_kappa)
+        return attend(q_rows, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
+
+    outputs = []
+    for start, first_new in _block_starts(length, block_size, aligned=compile):
+        rows = slice(start, min(start + block_size, length))
+        args = (qf[:, :, :, rows], A[:, rows].float(), D[:, rows].float(), *weights)
+        if checkpoint and torch.is_grad_enabled():
+            block = activation_checkpoint(run_block, *args, use_reentrant=False)
+        else:
+            block = run_block(*args)
+        outputs.append(block[:, :, :, first_new - start :])
+    out = torch.cat(outputs, dim=3)  # [B, Ha, G, L, d_h]
+    return out.reshape(batch, num_heads, length, head_dim).to(q.dtype)

@@ -1,0 +1,330 @@
+"""Fused Triton MDLMPE attention (issue 8): the ``triton`` value of ``MDLMPEConfig.backend``.
+
+Same contract as ``reference_attention`` (the spec) plus ``block_size``; an autograd.Function
+over three kernels in ``triton_kernels`` (imported lazily: triton picks interpreter vs compiler
+when it decorates, so ``TRITON_INTERPRET`` must be settled first).
+
+Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
+- The logit is RoPE plus a correction, S_ij = (q_i . k_j + E_ij) / sqrt(d_h), with
+  E_ij = sum_{m in M} alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2), alpha = cos(delta) - 1,
+  beta = sin(delta). The plain term is one tile product (tensor cores); E is the CUDA-core work.
+- A program owns a tile of rows (forward, dQ) or keys (dK/dV) and G query heads. Per
+  (row tile, key tile) it computes r -> s -> the phase MLP's hidden layer once (a tile product over
+  the flattened [BM*BN] pairs), then the output layer, delta, alpha and beta in chunks of
+  ``pair_chunk`` MDLMPE pairs; each chunk is reused by a static loop over the G heads, so only
+  [BM, BN, chunk] pair tiles are live while the softmax state of all G heads ([G, BM, d_h]
+  accumulator) stays batched.
+- Online softmax; the forward saves only O and the row max m and sum l (m and l apart, not
+  their log-sum-exp, so a padding-only row, whose logits all sit at finfo(float32).min, keeps its
+  uniform weights exactly as the reference does).
+- Backward recomputes: the dK/dV kernel loops over row tiles and also produces the phase-MLP
+  gradients (per-program slots, reduced in torch: deterministic); the dQ kernel loops over key
+  tiles. The correction's gradients of the pair dims are added per chunk into [B, Hq, L, |M|]
+  buffers (atomic adds on rows the program owns) and joined in torch. GQA: dK, dV are produced
+  per query head (fp32) and summed per KV group. Extra memory is O(B Hq L d_h): no L x L buffer.
+- Inactive KV heads (the per-head warm-up mask) skip the correction entirely: their query heads
+  are routed to plain RoPE SDPA (flash) and only the active heads run the kernel.
+- Precision: q.k, P.V, dO.V, dS.K, dS^T.Q, P^T.dO are tile products in the inputs' dtype (bf16
+  tensor cores, fp32 accumulation; P and dS rounded to bf16 as in flash attention); the whole pair
+  path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
+  inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
+  wrong in triton 3.9; the upcast is exact).
+- GPU status: no GPU was lent when this was written; correctness is verified in the interpreter
+  only. The three kernels do compile ahead of time for sm_90 (``benchmarks/bench_attention_gpu.py
+  --compile-only``, no GPU needed); at LLaDA dims (d_h 128, |M| 32), block_size 16, G = 2,
+  pair_chunk 16, 8 warps they hit the 255-register cap and spill 232 B (forward), 1752 B (dK/dV)
+  and 272 B (dQ) per thread, so expect the dK/dV kernel to be the slow one. The transcendental
+  work (angle, SiLU, tanh, sin) is paid once per (i, j) per program and shrinks as 1/G against
+  the 6 FMAs per (head, i, j, m) of the correction itself. Next steps once measured: sweep
+  block_size / G / pair_chunk / num_warps with the benchmark, split dK/dV from the phase-MLP
+  gradients if its spills dominate, fuse dQ into the dK/dV pass with atomics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.pe.heads import query_head_mask
+from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
+
+# Query heads per program sharing one alpha/beta tile (rounded down to a power-of-2 divisor of Hq).
+# 2: at LLaDA dims 4 spills 4x more in the forward (sm_90 AOT compile, module docstring).
+HEADS_PER_PROGRAM = 2
+# MDLMPE pairs per alpha/beta chunk: the live pair tiles are [BM, BN, PAIR_CHUNK].
+PAIR_CHUNK = 16
+# Warps per program: 8 spreads the [BM, BN, |M|] pair tiles over 256 threads (fewer spills).
+NUM_WARPS = 8
+# Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
+MAX_GPU_TILE = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_triton_available() -> None:
+    """Raise RuntimeError saying why the ``triton`` backend cannot run here (build-time check)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "mdlmpe backend 'triton' needs the triton package (pip install triton); "
+            "use backend 'blocked' on machines without it"
+        ) from err
+    if not torch.cuda.is_available() and not _interpreting():
+        raise RuntimeError(
+            "mdlmpe backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for the CPU "
+            "interpreter, tests only); use backend 'blocked' on CPU"
+        )
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def _heads_per_program(num_heads: int, cap: int) -> int:
+    g = 1
+    while g * 2 <= cap and num_heads % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+class _Plan:
+    """Static launch parameters shared by the three kernels of one call."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        w1: torch.Tensor,
+        tile: int,
+        heads: int,
+        chunk: int,
+        warps: int,
+    ) -> None:
+        batch, self.num_heads, self.length, self.head_dim = q.shape
+        self.num_kv = k.shape[1]
+        self.num_pairs = self.head_dim // 2
+        self.hidden = w1.shape[0]
+        self.num_mdlmpe = len(mdlmpe_pairs(self.num_pairs))
+        floor = 1 if _interpreting() else 16  # GPU tile products need every dim >= 16
+        self.tile = tile
+        self.group = _heads_per_program(self.num_heads, heads)
+        self.rows = batch * (self.num_heads // self.group)
+        self.num_tiles = math.ceil(self.length / tile)
+        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.meta = dict(
+            REP=self.num_heads // self.num_kv,
+            G=self.group,
+            DH=self.head_dim,
+            DP=_pow2(self.head_dim, floor),
+            FP=_pow2(self.num_pairs, floor),
+            HP=_pow2(self.hidden, floor),
+            MC=min(_pow2(self.num_mdlmpe, floor), chunk),
+            NC=math.ceil(self.num_mdlmpe / min(_pow2(self.num_mdlmpe, floor), chunk)),
+            BM=tile,
+            BN=tile,
+            PREC=self.precision,
+            UPCAST=_interpreting(),
+            num_warps=warps,
+        )
+
+    def dims(self) -> tuple[int, ...]:
+        return (self.length, self.num_heads, self.num_kv, self.num_pairs, self.hidden, self.num_mdlmpe)
+
+
+class _MDLMPEAttention(torch.autograd.Function):
+    """All heads active. Inputs contiguous; phase tensors fp32; kbias [B, L] fp32."""
+
+    @staticmethod
+    def forward(
+        ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, tile, heads, chunk, warps
+    ):
+        from mdlmpe_ds.attention import triton_kernels as kern
+
+        plan = _Plan(q, k, w1, tile, heads, chunk, warps)
+        out = torch.empty_like(q)
+        row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        row_sum = torch.empty_like(row_max)
+        kern.mdlmpe_fwd_kernel[(plan.num_tiles, plan.rows)](
+            q,
+            k,
+            v,
+            A,
+            D,
+            kbias,
+            w1,
+            b1,
+            w2,
+            b2,
+            out,
+            row_max,
+            row_sum,
+            *plan.dims(),
+            tau_max,
+            clip_kappa,
+            scale,
+            **plan.meta,
+        )
+        ctx.save_for_backward(q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum)
+        ctx.plan = plan
+        ctx.consts = (tau_max, clip_kappa, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from mdlmpe_ds.attention import triton_kernels as kern
+
+        q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        grad_out = grad_out.contiguous()
+        batch, num_heads, length, head_dim = q.shape
+        # delta_i = sum_d dO_i O_i, the softmax-backward row term.                    [B, Hq, L]
+        row_delta = (grad_out.float() * out.float()).sum(-1)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dk = torch.empty(batch, num_heads, length, head_dim, **f32)
+        dv = torch.empty_like(dk)
+        dq = torch.empty_like(dk)
+        # Zeroed: the kernels add into these chunk by chunk (dk1, dk2, dq1, dq2; dW2, db2 per slot).
+        pair_grads = [torch.zeros(batch, num_heads, length, plan.num_mdlmpe, **f32) for _ in range(4)]
+        slots = plan.num_tiles * plan.rows
+        dw1 = torch.empty(slots, *w1.shape, **f32)
+        db1 = torch.empty(slots, *b1.shape, **f32)
+        dw2 = torch.zeros(slots, *w2.shape, **f32)
+        db2 = torch.zeros(slots, *b2.shape, **f32)
+        common = (q, k, v, A, D, kbias, w1, b1, w2, b2, grad_out, row_max, row_sum, row_delta)
+        kern.mdlmpe_bwd_dkdv_kernel[(plan.num_tiles, plan.rows)](
+            *common,
+            dk,
+            dv,
+            pair_grads[0],
+            pair_grads[1],
+            dw1,
+            db1,
+            dw2,
+            db2,
+            *plan.dims(),
+            *ctx.consts,
+            **plan.meta,
+        )
+        kern.mdlmpe_bwd_dq_kernel[(plan.num_tiles, plan.rows)](
+            *common,
+            dq,
+            pair_grads[2],
+            pair_grads[3],
+            *plan.dims(),
+            *ctx.consts,
+            **plan.meta,
+        )
+        # Add the correction gradients to the MDLMPE pair dims (f and F + f, f odd).
+        pairs = mdlmpe_pairs(plan.num_pairs).to(q.device)
+        dk[..., pairs] += pair_grads[0]
+        dk[..., pairs + plan.num_pairs] += pair_grads[1]
+        dq[..., pairs] += pair_grads[2]
+        dq[..., pairs + plan.num_pairs] += pair_grads[3]
+        # GQA: query heads h*REP .. h*REP+REP-1 read KV head h.
+        rep = num_heads // plan.num_kv
+        dk = dk.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
+        dv = dv.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
+        # One entry per forward input: q, k, v, A, D, W1, b1, W2, b2, then 8 non-tensor settings.
+        grads_in = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
+        return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 8)
+
+
+def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"triton_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"triton_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    batch, _, length, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"triton_attention: head_dim={head_dim} must be even (rotary pairs)")
+    expected = (batch, length, head_dim // 2)
+    if tuple(A.shape) != expected or tuple(D.shape) != expected:
+        raise ValueError(f"triton_attention: A {tuple(A.shape)}, D {tuple(D.shape)} must be {expected}")
+    if A.requires_grad or D.requires_grad:
+        raise NotImplementedError(
+            "triton_attention: gradients w.r.t. A, D (coordinate='mlp') are not implemented in the "
+            "fused kernel; use mdlmpe backend 'blocked' with a learned coordinate"
+        )
+    if key_valid is not None and tuple(key_valid.shape) != (batch, length):
+        raise ValueError(f"triton_attention: key_valid {tuple(key_valid.shape)} must be {(batch, length)}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(
+            f"triton_attention: block_size={block_size} (mdlmpe.triton_tile) must be a power of 2"
+        )
+    if not _interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
+        raise ValueError(
+            f"triton_attention: block_size={block_size} (mdlmpe.triton_tile) must be in [16, {MAX_GPU_TILE}] "
+            "on a GPU; the correction tile lives in registers (16 or 32 to start)"
+        )
+    if phase.w1.shape[1] != head_dim // 2 or phase.w2.shape[0] != len(mdlmpe_pairs(head_dim // 2)):
+        raise ValueError(
+            f"triton_attention: phase MLP W1 {tuple(phase.w1.shape)}, W2 {tuple(phase.w2.shape)} do not "
+            f"match head_dim={head_dim}"
+        )
+
+
+def _fused(
+    q, k, v, A, D, phase: PhaseParams, kbias, tau_max, clip_kappa, scale, block_size, heads, chunk, warps
+):
+    tensors = (q, k, v, A.float(), D.float(), *(p.float() for p in phase), kbias)
+    settings = (float(tau_max), float(clip_kappa), float(scale), block_size, heads, chunk, warps)
+    return _MDLMPEAttention.apply(*(t.contiguous() for t in tensors), *settings)
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    *,
+    tau_max: float,
+    clip_kappa: float,
+    active_kv: torch.Tensor | None = None,
+    key_valid: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int = 32,
+    heads_per_program: int = HEADS_PER_PROGRAM,
+    pair_chunk: int = PAIR_CHUNK,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. app_pair_phase).
+
+    q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated); A, D [B, L, F] fp32 (no grad);
+    ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row
+    and key tile edge; ``heads_per_program``, ``pair_chunk`` (MDLMPE pairs per alpha/beta chunk, a
+    power of 2, >= 16 on a GPU) and ``num_warps`` are GPU tuning knobs (module docstring).
+    Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
+    """
+    check_triton_available()
+    _check_inputs(q, k, v, A, D, phase, key_valid, block_size)
+    if pair_chunk < 1 or pair_chunk & (pair_chunk - 1) or (pair_chunk < 16 and not _interpreting()):
+        raise ValueError(f"triton_attention: pair_chunk={pair_chunk} must be a power of 2 (>= 16 on a GPU)")
+    batch, num_heads, length, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
+    if key_valid is not None:
+        kbias.masked_fill_(~key_valid.bool(), torch.finfo(torch.float32).min)
+    args = (tau_max, clip_kappa, scale, block_size, heads_per_program, pair_chunk, num_warps)
+    if active_kv is None or bool(active_kv.all()):
+        return _fused(q, k, v, A, D, phase, kbias, *args)
+    if not bool(active_kv.any()):
+        return rope_attention(q, k, v, key_valid, scale)
+    # Route: active KV heads (and their query heads) through the kernel, the rest through SDPA.
+    active_kv = active_kv.to(device=q.device, dtype=torch.bool)
+    active_q = query_head_mask(active_kv, num_heads)
+    kv_on, kv_off = active_kv.nonzero().flatten(), (~active_kv).nonzero().flatten()
+    q_on, q_off = active_q.nonzero().flatten(), (~active_q).nonzero().flatten()
+    out_on = _fused(q[:, q_on], k[:, kv_on], v[:, kv_on], A, D, phase, kbias, *args)
+    out_off = rope_attention(q[:, q_off], k[:, kv_off], v[:, kv_off], key_valid, scale)
+    order = torch.argsort(torch.cat([q_on, q_off]))  # back to the original head order
+    return torch.cat([out_on, out_off], dim=1)[:, order]

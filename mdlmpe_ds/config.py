@@ -1,0 +1,345 @@
+"""Typed training configuration for SFT runs: model choice, data, optimisation, training loop.
+
+One `RunConfig` (four sections) is built from dataclass defaults (the embedded CPU demo), then an
+optional `--config file.json|yaml`, then `--key value` command-line overrides, and is validated
+before anything is built. It is saved as `config.json` into every checkpoint, so a resume can
+check that it continues the same model.
+
+Keys are addressed as `section.key` (`--optim.lr 1e-5`) or, when unambiguous, by the bare key
+(`--lr 1e-5`, `--model_name_or_path DIR`, `--dataset FILE`). An unknown key is an error that lists
+the valid ones.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
+LOSS_FAMILIES = ("auto", "llada", "dream")
+DREAM_WEIGHTINGS = ("original", "cart", "linear", "none")
+PRECISIONS = ("auto", "fp32", "bf16")
+MULTITURN = ("last", "expand")
+
+
+@dataclass
+class ModelChoice:
+    """Which backbone: a preset name (from-scratch/tiny) or a local Hugging Face directory."""
+
+    preset: str = "llada-tiny"
+    # A local LLaDA-8B / Dream-7B directory (config.json + safetensors); overrides `preset`.
+    model_name_or_path: str | None = None
+    position_encoding: str = "mdlmpe"
+    # Vocabulary and special ids of a preset model; None derives them from the tokenizer (vocab
+    # rounded up to a multiple of 64; mask = the tokenizer's mask token or <|mask|>; eos; pad = eos).
+    # A pretrained directory always keeps its own.
+    vocab_size: int | None = None
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"backend": "reference", "tau_max": 0.2}.
+    mdlmpe: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = True
+
+
+@dataclass
+class DataConfig:
+    """SFT chat data in the `messages` format (hub name or local json/jsonl/parquet)."""
+
+    # "chat-demo" = the chatterbot-corpus dialogues prepared offline (data/assets.py).
+    dataset: str = "chat-demo"
+    split: str = "train"
+    # Tokenizer directory; None = the model directory, or the offline Qwen2.5 tokenizer for presets.
+    tokenizer: str | None = None
+    max_len: int = 128
+    skip_malformed: bool = False
+    multiturn: str = "last"
+    # Mark EOS padding invalid (not attended, not in the loss) instead of the official convention.
+    attend_padding: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + linear warmup + cosine decay, gradient clipping (Dream SFT defaults where sensible)."""
+
+    # None: 3e-3 for a from-scratch preset (the CPU demo), 1e-5 for a pretrained directory (an 8B
+    # model must never get the demo's rate by default). See `RunConfig.lr`.
+    lr: float | None = None
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    # Warmup length: warmup_steps if set, else round(warmup_ratio * total updates).
+    warmup_ratio: float = 0.1
+    warmup_steps: int | None = None
+    cosine: bool = True
+    # Cosine floor as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """The loop: batch arithmetic, length, checkpoints, logging, loss family, head schedule."""
+
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    # Optimizer updates; when None, `epochs` over the data decides.
+    max_steps: int | None = 40
+    epochs: float = 1.0
+    # Stop (with a checkpoint) after this update although the schedule spans max_steps: for jobs in
+    # time-limited slots; continue later with --resume auto. None = run to the end.
+    stop_at: int | None = None
+    seed: int = 1234
+    save_every: int = 20
+    keep_last: int = 2
+    output_dir: str = "outputs/sft-demo"
+    log_every: int = 1
+    # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
+    # Dream: 1/t / CART weighting normalised by masked-token count).
+    loss: str = "auto"
+    dream_weighting: str = "original"
+    cart_p: float = 0.1
+    noise_eps: float = 1e-3
+    head_schedule: bool = True
+    max_consecutive_nonfinite: int = 3
+    # "auto": the ds config's precision on GPU, fp32 on a CPU-only machine (bf16 there is slow).
+    precision: str = "auto"
+    # Distributed timeout (minutes): a collective reached by one rank only fails instead of hanging.
+    dist_timeout_min: float = 10.0
+
+
+@dataclass
+class RunConfig:
+    model: ModelChoice = field(default_factory=ModelChoice)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> RunConfig:
+        m, d, o, t = self.model, self.data, self.optim, self.train
+
+        def bad(key: str, value: Any, why: str) -> ValueError:
+            return ValueError(f"training config: {key}={value!r} {why}")
+
+        if m.position_encoding not in POSITION_ENCODINGS:
+            raise bad("model.position_encoding", m.position_encoding, f"must be one of {POSITION_ENCODINGS}")
+        if m.model_name_or_path is not None and not Path(m.model_name_or_path).is_dir():
+            raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory")
+        if not isinstance(m.mdlmpe, dict):
+            raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
+        if d.max_len < 8:
+            raise bad("data.max_len", d.max_len, "must be >= 8")
+        if d.multiturn not in MULTITURN:
+            raise bad("data.multiturn", d.multiturn, f"must be one of {MULTITURN}")
+        if o.lr is not None and not o.lr > 0:
+            raise bad("optim.lr", o.lr, "must be > 0")
+        if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+            raise bad("optim.betas", o.betas, "must be two numbers in [0, 1)")
+        if not 0 <= o.warmup_ratio < 1:
+            raise bad("optim.warmup_ratio", o.warmup_ratio, "must be in [0, 1)")
+        if o.warmup_steps is not None and o.warmup_steps < 0:
+            raise bad("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+        if not 0 <= o.min_lr_ratio <= 1:
+            raise bad("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+        if not o.clip > 0:
+            raise bad("optim.clip", o.clip, "must be > 0")
+        for key in ("micro_batch_size", "grad_accum", "save_every", "keep_last", "log_every"):
+            if getattr(t, key) < 1:
+                raise bad(f"train.{key}", getattr(t, key), "must be >= 1")
+        if t.max_steps is not None and t.max_steps < 1:
+            raise bad("train.max_steps", t.max_steps, "must be >= 1 or null")
+        if t.stop_at is not None and t.stop_at < 1:
+            raise bad("train.stop_at", t.stop_at, "must be >= 1 or null")
+        if t.max_steps is None and not t.epochs > 0:
+            raise bad("train.epochs", t.epochs, "must be > 0 when max_steps is null")
+        if t.loss not in LOSS_FAMILIES:
+            raise bad("train.loss", t.loss, f"must be one of {LOSS_FAMILIES}")
+        if t.dream_weighting not in DREAM_WEIGHTINGS:
+            raise bad("train.dream_weighting", t.dream_weighting, f"must be one of {DREAM_WEIGHTINGS}")
+        if not 0 < t.cart_p < 1:
+            raise bad("train.cart_p", t.cart_p, "must be in (0, 1)")
+        if not 0 < t.noise_eps < 1:
+            raise bad("train.noise_eps", t.noise_eps, "must be in (0, 1)")
+        if t.max_consecutive_nonfinite < 1:
+            raise bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
+        if t.precision not in PRECISIONS:
+            raise bad("train.precision", t.precision, f"must be one of {PRECISIONS}")
+        if not t.dist_timeout_min > 0:
+            raise bad("train.dist_timeout_min", t.dist_timeout_min, "must be > 0")
+        return self
+
+    @property
+    def lr(self) -> float:
+        """The peak learning rate: optim.lr, else 3e-3 for presets and 1e-5 for pretrained models."""
+        if self.optim.lr is not None:
+            return self.optim.lr
+        return 1e-5 if self.model.model_name_or_path is not None else 3e-3
+
+    def warmup_updates(self, total_updates: int) -> int:
+        if self.optim.warmup_steps is not None:
+            return self.optim.warmup_steps
+        return round(self.optim.warmup_ratio * total_updates)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
+        config = cls()
+        apply_overrides(config, flatten(data, source), source)
+        return config
+
+
+SECTIONS = ("model", "data", "optim", "train")
+
+
+def flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """{"optim": {"lr": 1}} or {"optim.lr": 1} or {"lr": 1} -> {"optim.lr"/"lr": 1} (mdlmpe kept whole)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for sub, subvalue in value.items():
+                flat[f"{key}.{sub}"] = subvalue
+        else:
+            flat[key] = value
+    return flat
+
+
+def valid_keys() -> list[str]:
+    return [f"{section}.{f.name}" for section in SECTIONS for f in fields(_section_type(section))]
+
+
+def _section_type(section: str) -> type:
+    return {"model": ModelChoice, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}[section]
+
+
+def resolve_key(key: str, source: str) -> tuple[str, str]:
+    """'optim.lr' or 'lr' -> ('optim', 'lr'); unknown or ambiguous keys raise listing valid keys."""
+    key = key.replace("-", "_")
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section in SECTIONS and name in {f.name for f in fields(_section_type(section))}:
+            return section, name
+    else:
+        owners = [s for s in SECTIONS if key in {f.name for f in fields(_section_type(s))}]
+        if len(owners) == 1:
+            return owners[0], key
+        if len(owners) > 1:
+            raise ValueError(
+                f"{source}: key {key!r} is ambiguous, write one of {[f'{s}.{key}' for s in owners]}"
+            )
+    raise ValueError(f"{source}: unknown key {key!r}; valid keys are {', '.join(valid_keys())}")
+
+
+def _field_type(section: str, name: str) -> Any:
+    hints = typing.get_type_hints(_section_type(section))
+    return hints[name]
+
+
+def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """Convert a CLI string / JSON value to the field's type; None allowed for `X | None` fields."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return coerce(value, non_none[0], key, source)
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if annotation is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("expected an integer")
+            return int(value)
+        if annotation is float:
+            return float(value)
+        if annotation is str:
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+        if origin is tuple:
+            items = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or len(items) != len(args):
+                raise ValueError(f"expected {len(args)} values")
+            return tuple(coerce(v, a, key, source) for v, a in zip(items, args))
+        if origin is dict:
+            items = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(items, dict):
+                raise ValueError("expected a mapping (JSON object)")
+            return dict(items)
+    except (ValueError, TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{source}: bad value {value!r} for {key}: {err}") from err
+    raise TypeError(f"{source}: no conversion for {key} of type {annotation}")
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -> None:
+    for key, value in overrides.items():
+        section, name = resolve_key(key, source)
+        target = getattr(config, section)
+        if section == "model" and name == "mdlmpe":
+            merged = dict(target.mdlmpe)
+            merged.update(coerce(value, dict[str, Any], f"{section}.{name}", source))
+            target.mdlmpe = merged
+            continue
+        setattr(target, name, coerce(value, _field_type(section, name), f"{section}.{name}", source))
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training config file not found: {path}")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # PyYAML comes with transformers/datasets; only needed for YAML files
+
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from err
+    return flatten(data or {}, str(path))
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, str]:
+    """['--optim.lr', '1e-5', '--dataset=x.jsonl'] -> {'optim.lr': '1e-5', 'dataset': 'x.jsonl'}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--"):
+            raise ValueError(f"command line: expected --key value, got {token!r}")
+        if "=" in token:
+            key, value = token[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ValueError(f"command line: {token} needs a value")
+            key, value = token[2:], tokens[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def build_config(config_file: str | None, cli_tokens: list[str]) -> RunConfig:
+    """Defaults <- config file <- command line, then validate()."""
+    config = RunConfig()
+    if config_file is not None:
+        apply_overrides(config, load_config_file(config_file), str(config_file))
+    apply_overrides(config, parse_overrides(cli_tokens), "command line")
+    return config.validate()

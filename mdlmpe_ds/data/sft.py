@@ -1,0 +1,554 @@
+"""SFT chat data: load, validate, render with the family's chat template, tokenise, truncate, collate.
+
+Conventions (MODELS.md §3.2, §3.5, §5; SPEC §4):
+- Rows are ``{"messages": [{"role", "content"}, ...]}`` (Tulu-3, SmolTalk) or
+  ``{"prompt": str, "response": str}`` (optional ``"system"``). Extra keys are ignored.
+- One example = (prompt, response). The prompt is ``template(messages[:k], add_generation_prompt=True)``
+  and the response is assistant turn k. ``multiturn="last"`` gives one example per dialogue, the
+  last assistant turn with every earlier turn as prompt (LLaDA's multi-turn rule: the pair includes
+  the earlier turns as prompt); ``"expand"`` gives one example per assistant turn; ``"sample"``
+  gives one example per dialogue at an assistant turn drawn uniformly (LLaDA Appendix B.1: n
+  single-turn pairs, one sampled), fixed by (``seed``, row index) so every rank agrees.
+- The response ends with the family's end-of-response rule ``response_end``:
+  ``"turn"`` (LLaDA default): the template's own end of turn, e.g. ``answer<|eot_id|>`` for LLaDA's
+  template (what LLaDA-8B-Instruct emits before its EOS padding), ``answer<|im_end|>\\n`` for ChatML;
+  ``"eos"`` (Dream default, as Dream-train's ``sft_dataset.py``): ``answer + eos_token``.
+- Prompt and response are tokenised separately without added special tokens (template text carries
+  them), so ``input_ids = prompt_ids + response_ids`` and ``prompt_len = len(prompt_ids)``.
+- Too long: the response is truncated to ``max_len`` (``overlong="truncate"``) or the example dropped
+  (``overlong="drop"``); an example whose prompt alone leaves no room for one response token is
+  dropped. Both are counted in ``SFTDataStats`` and logged.
+- Padding (``SFTCollator``): right-padding with EOS, which LLaDA and official Dream SFT attend to and
+  train on: the pads are part of the answer, maskable and in the loss (MODELS.md §3.2, §3.5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
+from mdlmpe_ds.diffusion.corruption import mix_seed
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+DEFAULT_RESPONSE_END = {"llada": "turn", "dream": "eos"}
+_TOKENIZE_CHUNK = 1024
+
+
+class SFTDataError(ValueError):
+    """A malformed SFT row; the message names the source and the 0-based row index."""
+
+
+class _Malformed(Exception):
+    """Internal: the reason a row is malformed, before the source/row prefix is known."""
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One tokenised (prompt, response) pair. ``input_ids[:prompt_len]`` is the prompt."""
+
+    input_ids: list[int]
+    prompt_len: int
+
+
+@dataclass
+class SFTDataStats:
+    """Counts from ``build_sft_dataset``; ``skip_reasons`` maps a reason to its count."""
+
+    rows: int = 0  # rows read from the source
+    skipped: int = 0  # malformed rows skipped (skip_malformed=True)
+    examples: int = 0  # examples kept
+    truncated: int = 0  # kept with a truncated response
+    dropped: int = 0  # dropped: prompt alone does not fit, or overlong with overlong="drop"
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (
+            f"{self.rows} rows -> {self.examples} examples "
+            f"({self.truncated} truncated, {self.dropped} dropped as too long, "
+            f"{self.skipped} malformed skipped)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def _local_format(source: str) -> str | None:
+    """'json' / 'parquet' for a local file source, None for a hub name. Missing file -> error."""
+    path = Path(source)
+    fmt = LOCAL_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        if path.is_file():
+            raise ValueError(
+                f"{source}: unsupported SFT file type {path.suffix!r}; use .json, .jsonl or .parquet"
+            )
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file not found: {source}")
+    return fmt
+
+
+def load_sft_rows(source: str | Path, split: str = "train") -> Any:
+    """The raw rows of ``source`` as a ``datasets.Dataset``.
+
+    ``source`` is a local ``.json``/``.jsonl``/``.parquet`` file (``FileNotFoundError`` naming the path
+    if it is missing), a local dataset directory, or a hub dataset name (e.g.
+    ``allenai/tulu-3-sft-mixture``, ``HuggingFaceTB/smoltalk``; needs network or a populated cache).
+    """
+    import datasets  # imported here: loading it is slow and only data preparation needs it
+
+    source = str(source)
+    fmt = _local_format(source)
+    if fmt is not None:
+        return datasets.load_dataset(fmt, data_files={split: source}, split=split)
+    return datasets.load_dataset(source, split=split)
+
+
+def _json_rows(path: str) -> Iterator[Any]:
+    """Rows of a local .json (a list of objects, or one object per line) / .jsonl, parsed directly.
+
+    Used when ``datasets`` cannot build a table (rows of mixed types), so the error can still name
+    the row.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SFTDataError(f"{path}: not valid JSON ({e})") from e
+        yield from rows
+        return
+    row_index = 0
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SFTDataError(f"{path}: row {row_index} (line {line_no}) is not valid JSON ({e})") from e
+        row_index += 1
+
+
+def _iter_rows(source: str | Path, split: str) -> Iterator[Any]:
+    """Rows through ``datasets``; a local JSON file that ``datasets`` rejects (a line that is not
+    JSON, say) is parsed row by row instead, so the error names the row."""
+    from datasets.exceptions import DatasetGenerationError
+
+    source = str(source)
+    if _local_format(source) != "json":
+        yield from load_sft_rows(source, split)
+        return
+    try:
+        rows = load_sft_rows(source, split)
+    except (DatasetGenerationError, ValueError) as e:
+        logger.warning("%s: datasets could not read it (%s); parsing it row by row", source, e)
+        yield from _json_rows(source)
+        return
+    yield from rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _type_name(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def row_messages(row: Any) -> list[Message]:
+    """The validated ``messages`` of one row (``prompt``/``response`` rows are converted).
+
+    Raises ``_Malformed`` with the reason: missing keys, unknown roles, non-string content, an empty
+    assistant turn, a dialogue that does not end with an assistant turn.
+    """
+    if not isinstance(row, dict):
+        raise _Malformed(f"row is {_type_name(row)}, expected an object")
+    if row.get("messages") is not None:
+        raw = row["messages"]
+        if not isinstance(raw, list):
+            raise _Malformed(f"'messages' is {_type_name(raw)}, expected a list")
+        if not raw:
+            raise _Malformed("'messages' is empty")
+        messages = []
+        for k, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise _Malformed(f"message {k} is {_type_name(m)}, expected an object with role and content")
+            role, content = m.get("role"), m.get("content")
+            if role is None:
+                raise _Malformed(f"message {k} has no 'role'")
+            if not isinstance(role, str) or role not in ROLES:
+                expected = ", ".join(ROLES)
+                raise _Malformed(f"message {k} has unknown role {role!r} (expected one of {expected})")
+            if content is None:
+                raise _Malformed(f"message {k} ({role}) has no 'content'")
+            if not isinstance(content, str):
+                raise _Malformed(f"message {k} ({role}) content is {_type_name(content)}, expected a string")
+            if role == "assistant" and not content.strip():
+                raise _Malformed(f"message {k} (assistant) is empty")
+            messages.append({"role": role, "content": content})
+        if messages[-1]["role"] != "assistant":
+            last = messages[-1]["role"]
+            raise _Malformed(f"last message is {last!r}, expected an assistant turn to train on")
+        return messages
+    if row.get("prompt") is not None or row.get("response") is not None:
+        prompt, response, system = row.get("prompt"), row.get("response"), row.get("system")
+        for key, value in (("prompt", prompt), ("response", response)):
+            if not isinstance(value, str):
+                raise _Malformed(f"'{key}' is {_type_name(value)}, expected a string")
+        if not response.strip():
+            raise _Malformed("'response' is empty")
+        if system is not None and not isinstance(system, str):
+            raise _Malformed(f"'system' is {_type_name(system)}, expected a string")
+        messages = [{"role": "system", "content": system}] if system else []
+        return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    raise _Malformed(f"row has neither 'messages' nor 'prompt'/'response' (keys: {sorted(row)})")
+
+
+MULTITURN = ("last", "expand", "sample")
+
+
+def conversation_pairs(
+    messages: Sequence[Message], multiturn: Literal["last", "expand", "sample"] = "last", draw: int = 0
+) -> list[tuple[list[Message], Message]]:
+    """(earlier turns, assistant turn) pairs to train on: the last one, one per assistant turn, or
+    the one at assistant turn ``draw % (number of assistant turns)`` for ``"sample"``."""
+    if multiturn == "last":
+        return [(list(messages[:-1]), messages[-1])]
+    pairs = [(list(messages[:k]), m) for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if multiturn == "expand":
+        return pairs
+    if multiturn == "sample":
+        return [pairs[draw % len(pairs)]]
+    raise ValueError(f"multiturn must be one of {MULTITURN}, got {multiturn!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset
+# ----------------------------------------------------------------------------------------------
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Tokenised SFT examples in one flat int32 token array (4 bytes/token, not Python ints).
+
+    ``lengths`` (np.int64 [N]) feeds ``LengthGroupedSampler``; ``dataset[i]`` is an ``SFTExample``.
+    """
+
+    def __init__(self, examples: Iterable[SFTExample] = ()) -> None:
+        ids: list[np.ndarray] = []
+        prompt_lens: list[int] = []
+        for ex in examples:
+            ids.append(np.asarray(ex.input_ids, dtype=np.int32))
+            prompt_lens.append(ex.prompt_len)
+        self._set(ids, prompt_lens)
+
+    def _set(self, ids: list[np.ndarray], prompt_lens: list[int]) -> None:
+        self.lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        self.offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        self.tokens = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+        self.prompt_lens = np.array(prompt_lens, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> SFTExample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"SFT example {i} out of range for {len(self)} examples")
+        i = i % len(self)
+        start, end = self.offsets[i], self.offsets[i + 1]
+        return SFTExample(self.tokens[start:end].tolist(), int(self.prompt_lens[i]))
+
+
+def eos_pad_id(tokenizer: Any) -> int:
+    """The EOS id, which is also the padding id for LLaDA and Dream SFT (MODELS.md §3.2, §3.5)."""
+    if tokenizer.eos_token_id is None:
+        name = getattr(tokenizer, "name_or_path", "")
+        raise ValueError(f"tokenizer {name!s} has no eos_token; SFT pads with EOS")
+    return int(tokenizer.eos_token_id)
+
+
+def _render_pair(
+    template: ChatTemplate,
+    prompt_messages: list[Message],
+    response: Message,
+    response_end: str,
+    eos_token: str,
+) -> tuple[str, str]:
+    prompt = template.render(prompt_messages, add_generation_prompt=True)
+    if response_end == "eos":
+        return prompt, response["content"] + eos_token
+    full = template.render([*prompt_messages, response], add_generation_prompt=False)
+    if not full.startswith(prompt):
+        raise _Malformed(
+            f"chat template {template.name!r} is not prefix-consistent: the prompt rendered with a "
+            "generation prompt is not a prefix of the rendered conversation"
+        )
+    return prompt, full[len(prompt) :]
+
+
+def build_sft_dataset(
+    source: str | Path,
+    tokenizer: Any,
+    family: str,
+    max_len: int,
+    *,
+    split: str = "train",
+    skip_malformed: bool = False,
+    multiturn: Literal["last", "expand", "sample"] = "last",
+    response_end: Literal["turn", "eos"] | None = None,
+    overlong: Literal["truncate", "drop"] = "truncate",
+    max_rows: int | None = None,
+    template: ChatTemplate | None = None,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> tuple[SFTDataset, SFTDataStats]:
+    """Load, validate, render and tokenise ``source`` into an ``SFTDataset`` plus its counts.
+
+    A malformed row raises ``SFTDataError`` naming ``source`` and the 0-based row index, unless
+    ``skip_malformed`` (then it is counted in ``stats.skipped`` / ``stats.skip_reasons``).
+    ``response_end`` defaults per family (``DEFAULT_RESPONSE_END``); ``template`` defaults to
+    ``template_for(family, tokenizer)``; ``max_rows`` keeps the first rows only (Dream-train's Tulu
+    recipe used the first 10,000); ``seed`` fixes the turn drawn by ``multiturn="sample"``.
+
+    ``cache_dir``: the tokenised result is saved there under a key of everything it depends on (the
+    source file's size and mtime or the hub name, the tokenizer's vocabulary and template, and every
+    argument above) and loaded instead of rebuilt when the key matches. Writes are atomic, so ranks
+    may share the folder; to tokenise once, build on rank 0, barrier, then build on the others.
+    """
+    if family not in DEFAULT_RESPONSE_END:
+        raise ValueError(f"unknown model family {family!r}; expected one of {tuple(DEFAULT_RESPONSE_END)}")
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2, got {max_len}")
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    if multiturn not in MULTITURN:
+        raise ValueError(f"multiturn must be one of {MULTITURN}, got {multiturn!r}")
+    template = template or template_for(family, tokenizer)
+    response_end = response_end or DEFAULT_RESPONSE_END[family]
+    if response_end not in ("turn", "eos"):
+        raise ValueError(f"response_end must be 'turn' or 'eos', got {response_end!r}")
+    eos_token = tokenizer.eos_token if response_end == "eos" else ""
+    if response_end == "eos" and not eos_token:
+        raise ValueError("response_end='eos' needs a tokenizer with an eos_token")
+
+    cache_file = None
+    if cache_dir is not None:
+        settings = {
+            "split": split,
+            "family": family,
+            "max_len": max_len,
+            "skip_malformed": skip_malformed,
+            "multiturn": multiturn,
+            "response_end": response_end,
+            "overlong": overlong,
+            "max_rows": max_rows,
+            "template": template.name,
+            "seed": seed,
+        }
+        cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings)}.npz"
+        if cache_file.is_file():
+            dataset, stats = _load_cache(cache_file)
+            logger.info("SFT data %s: loaded from cache %s: %s", source, cache_file, stats.summary())
+            return dataset, stats
+
+    stats = SFTDataStats()
+    reasons: Counter[str] = Counter()
+    kept_ids: list[np.ndarray] = []
+    kept_prompt_lens: list[int] = []
+    pending: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        prompts = tokenizer([p for p, _ in pending], add_special_tokens=False)["input_ids"]
+        responses = tokenizer([r for _, r in pending], add_special_tokens=False)["input_ids"]
+        for p_ids, r_ids in zip(prompts, responses, strict=True):
+            if len(p_ids) >= max_len:
+                stats.dropped += 1
+                continue
+            if len(p_ids) + len(r_ids) > max_len:
+                if overlong == "drop":
+                    stats.dropped += 1
+                    continue
+                r_ids = r_ids[: max_len - len(p_ids)]
+                stats.truncated += 1
+            kept_ids.append(np.asarray(p_ids + r_ids, dtype=np.int32))
+            kept_prompt_lens.append(len(p_ids))
+        pending.clear()
+
+    for index, row in enumerate(_iter_rows(source, split)):
+        if max_rows is not None and index >= max_rows:
+            break
+        stats.rows += 1
+        try:
+            messages = row_messages(row)
+            rendered = [
+                _render_pair(template, prompt, response, response_end, eos_token)
+                for prompt, response in conversation_pairs(messages, multiturn, mix_seed(seed, index))
+            ]
+        except _Malformed as e:
+            if not skip_malformed:
+                raise SFTDataError(f"{source}: row {index}: {e}") from None
+            stats.skipped += 1
+            reasons[str(e)] += 1
+            continue
+        pending.extend(rendered)
+        if len(pending) >= _TOKENIZE_CHUNK:
+            flush()
+    flush()
+
+    dataset = SFTDataset()
+    dataset._set(kept_ids, kept_prompt_lens)
+    stats.examples = len(dataset)
+    stats.skip_reasons = dict(reasons)
+    logger.info("SFT data %s (template %s, max_len %d): %s", source, template.name, max_len, stats.summary())
+    if cache_file is not None:
+        _save_cache(cache_file, dataset, stats)
+    return dataset, stats
+
+
+_CACHE_VERSION = 1
+
+
+def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any]) -> str:
+    """sha256 over the source identity, the tokenizer (vocabulary, merges, template) and the settings.
+
+    A local file is identified by resolved path, size and mtime; a hub dataset by its name only (a
+    new revision on the hub is not detected: clear the cache to pick it up).
+    """
+    path = Path(str(source))
+    if path.is_file():
+        st = path.stat()
+        ident: dict[str, Any] = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    else:
+        ident = {"hub": str(source)}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    h = hashlib.sha256()
+    meta = {
+        "version": _CACHE_VERSION,
+        "source": ident,
+        "settings": settings,
+        "eos": tokenizer.eos_token,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    h.update(vocab.encode())
+    return h.hexdigest()[:24]
+
+
+def _save_cache(path: Path, dataset: SFTDataset, stats: SFTDataStats) -> None:
+    """Atomic write (temporary file, then rename) so concurrent ranks never read a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.savez(
+            f,
+            tokens=dataset.tokens,
+            offsets=dataset.offsets,
+            prompt_lens=dataset.prompt_lens,
+            stats=np.array(json.dumps(asdict(stats))),
+        )
+    os.replace(tmp, path)
+
+
+def _load_cache(path: Path) -> tuple[SFTDataset, SFTDataStats]:
+    with np.load(path, allow_pickle=False) as z:
+        dataset = SFTDataset()
+        dataset.tokens = z["tokens"]
+        dataset.offsets = z["offsets"]
+        dataset.prompt_lens = z["prompt_lens"]
+        dataset.lengths = np.diff(dataset.offsets)
+        stats = SFTDataStats(**json.loads(str(z["stats"])))
+    return dataset, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Collation
+# ----------------------------------------------------------------------------------------------
+
+
+class SFTCollator:
+    """Right-pads a list of ``SFTExample`` with EOS into the tensors the trainer needs.
+
+    Returns a dict with
+    - ``input_ids`` [B, L] long: clean tokens (also the targets), pads = ``pad_id`` (EOS);
+    - ``prompt_mask`` [B, L] bool: True on prompt tokens (never corrupted, never in the loss);
+    - ``maskable`` [B, L] bool: response tokens plus EOS pads (official LLaDA/Dream: pads are
+      trained targets); only the response when ``attend_padding=False``;
+    - ``valid`` [B, L] bool: attention validity, all True by default (pads are attended, as in LLaDA
+      and official Dream SFT); False on pads with ``attend_padding=False`` (pads then neither
+      attended nor in the loss);
+    - ``answer_len`` [B] long: maskable tokens per row, LLaDA's loss normaliser;
+    - ``seq_len`` [B] long: unpadded length per row.
+
+    ``L`` is the longest example, rounded up to ``pad_to_multiple_of`` but capped at ``max_len``;
+    an example longer than ``max_len`` is an error (``build_sft_dataset`` already truncates).
+    """
+
+    def __init__(
+        self,
+        pad_id: int,
+        max_len: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        attend_padding: bool = True,
+    ) -> None:
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        self.pad_id = int(pad_id)
+        self.max_len = max_len
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.attend_padding = attend_padding
+
+    def __call__(self, examples: Sequence[SFTExample]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("SFTCollator got an empty batch")
+        lengths = [len(ex.input_ids) for ex in examples]
+        longest = max(lengths)
+        if self.max_len is not None and longest > self.max_len:
+            raise ValueError(f"an SFT example has {longest} tokens > max_len {self.max_len}")
+        L = longest
+        if self.pad_to_multiple_of:
+            L = math.ceil(L / self.pad_to_multiple_of) * self.pad_to_multiple_of
+            if self.max_len is not None:
+                L = min(L, self.max_len)
+        B = len(examples)
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        for row, ex in enumerate(examples):
+            if not 0 <= ex.prompt_len < len(ex.input_ids):
+                raise ValueError(f"example {row} of the batch: prompt_len {ex.prompt_len} leaves no response")
+            input_ids[row, : len(ex.input_ids)] = torch.as_tensor(ex.input_ids, dtype=torch.long)
+        pos = torch.arange(L).unsqueeze(0)  # [1, L]
+        seq_len = torch.tensor(lengths, dtype=torch.long)  # [B]
+        prompt_len = torch.tensor([ex.prompt_len for ex in examples], dtype=torch.long)  # [B]
+        prompt_mask = pos < prompt_len[:, None]  # [B, L]
+        real = pos < seq_len[:, None]  # [B, L] not padding
+        valid = torch.ones(B, L, dtype=torch.bool) if self.attend_padding else real
+        maskable = ~prompt_mask & valid  # [B, L]
+        return {
+            "input_ids": input_ids,
+            "prompt_mask": prompt_mask,
+            "maskable": maskable,
+            "valid": valid,
+            "answer_len": maskable.sum(dim=1),
+            "seq_len": seq_len,
+        }

@@ -1,0 +1,332 @@
+"""Everything that touches DeepSpeed: config checks, process group, ZeRO-3 construction order,
+`deepspeed.initialize`, gather helpers. The only library module that imports deepspeed.
+
+Construction order (why this module exists): the process group first, then the model is built
+inside `deepspeed.zero.Init`, so every parameter -- backbone and MDLMPE alike -- is partitioned the
+moment its module's `__init__` returns and the whole model never materialises on one rank;
+pretrained weights are then streamed in one tensor at a time under `GatheredParameters`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mdlmpe_ds.config import RunConfig
+
+
+def _deepspeed():
+    """Import deepspeed lazily (no work at import time) with the CPU traps of ENV.md handled."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    # Trap: the first init_distributed JIT-compiles the shm all-reduce op (~35 s) on CPU; it is only
+    # used by inference all-reduce, so mark it unavailable.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------- process group
+@contextlib.contextmanager
+def distributed_session(timeout_min: float) -> Iterator[None]:
+    """init_distributed with a finite timeout (a collective reached by one rank fails instead of
+    hanging 30 min), and destroy_process_group in a finally (avoids gloo's teardown abort)."""
+    deepspeed = _deepspeed()
+    backend = "gloo" if on_cpu() else "nccl"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
+    if not on_cpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- ds config
+def _explicit(value: Any) -> bool:
+    return value is not None and value != "auto"
+
+
+def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str, Any]:
+    """Read the ds config, check it against the training config and fill its "auto" values.
+
+    The training config owns the batch arithmetic and the optimizer hyper-parameters. A value the
+    ds config sets explicitly must agree with it (else a clear error naming both numbers and both
+    sources); "auto" or absent values are filled in. train_batch_size = micro x grad_accum x world.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from err
+    t, o = run.train, run.optim
+    wanted = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world,
+        "gradient_clipping": o.clip,
+    }
+    train_key = {
+        "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+        "gradient_accumulation_steps": "train.grad_accum",
+        "train_batch_size": f"train.micro_batch_size x train.grad_accum x world size {world}",
+        "gradient_clipping": "optim.clip",
+    }
+    for key, value in wanted.items():
+        given = ds.get(key)
+        if _explicit(given) and not math.isclose(float(given), float(value)):
+            raise ValueError(
+                f"batch/optimizer mismatch: {path} sets {key}={given} but the training config gives "
+                f'{train_key[key]} = {value}; make them agree (or set {key} to "auto" in {path})'
+            )
+        ds[key] = value
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise ValueError(f"{path}: zero_optimization.stage must be 3 for this trainer, got {stage!r}")
+    opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        raise ValueError(f"{path}: optimizer.type must be AdamW, got {opt.get('type')!r}")
+    params = opt.setdefault("params", {})
+    for key, value in {
+        "lr": run.lr,
+        "betas": list(o.betas),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+    }.items():
+        given = params.get(key)
+        if _explicit(given) and given != value:
+            raise ValueError(f"{path}: optimizer.params.{key}={given} disagrees with optim.{key}={value}")
+        params[key] = value
+    if on_cpu():
+        # Trap: without torch_adam DeepSpeed JIT-compiles FusedAdam (~100 s) on CPU.
+        params["torch_adam"] = True
+        if "offload_optimizer" in ds["zero_optimization"] or "offload_param" in ds["zero_optimization"]:
+            raise ValueError(
+                f"{path}: CPU offload configs are for GPU nodes; use ds_configs/zero3_cpu_test.json"
+            )
+    if "scheduler" in ds:
+        raise ValueError(
+            f"{path}: remove the 'scheduler' section: the trainer owns warmup + cosine (optim.*)"
+        )
+    precision = t.precision
+    if precision == "auto":
+        precision = "fp32" if on_cpu() else ("bf16" if ds.get("bf16", {}).get("enabled") else "fp32")
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
+    ds["fp16"] = {"enabled": False}
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def param_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    return torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+
+
+# ---------------------------------------------------------------------------- model + engine
+def build_model(
+    model_factory: Callable[[], torch.nn.Module],
+    ds_config: dict[str, Any],
+    *,
+    meta: bool = False,
+) -> torch.nn.Module:
+    """Build the model with ZeRO-3 partitioning live (every rank must call this: it is collective).
+
+    `model_factory` constructs the full model (backbone + MDLMPE parameters) in one call, so every
+    parameter is created inside the same `zero.Init` context. With meta=True it is built on the meta
+    device instead (dry runs: counts parameters, allocates nothing).
+    """
+    if meta:
+        with torch.device("meta"):
+            return model_factory()
+    deepspeed = _deepspeed()
+    from mdlmpe_ds.pe.encoder import MDLMPEEncoder
+    from mdlmpe_ds.pe.phase import PhaseMLP
+
+    # pe/ modules initialise each parameter in the constructor of the layer that owns it, so the
+    # values survive zero.Init partitioning each module as soon as its own __init__ returns.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=param_dtype(ds_config)):
+        model = model_factory()
+    # The MDLMPE phase MLP and embedding projection are read as raw tensors by their parent's forward
+    # (the attention kernels, the embedding path), not through their own forward, so ZeRO-3's module
+    # hooks would never gather them: register them as external parameters of the module whose forward
+    # reads them (gathered for its forward and its backward).
+    for parent in getattr(model, "zero3_leaf_modules", list)():
+        for child in parent.modules():
+            if isinstance(child, (MDLMPEEncoder, PhaseMLP)):
+                for param in child.parameters():
+                    deepspeed.zero.register_external_parameter(parent, param)
+    return model
+
+
+def init_mdlmpe_parameters(model: torch.nn.Module) -> None:
+    """Re-run the MDLMPE initialisation (SPEC §2) on the gathered parameters, rank 0's values kept.
+
+    Construction already gives these values; this makes every rank hold rank 0's draw of the
+    randomly initialised MDLMPE layers (W1, W_p) before pretrained weights are streamed in.
+    """
+    names = set(model.mdlmpe_parameter_names())
+    params = [p for n, p in model.named_parameters() if n in names]
+    if not params:
+        return
+    deepspeed = _deepspeed()
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        if rank() == 0:
+            model.reset_mdlmpe_parameters()
+
+
+def gathered_factory() -> Callable[..., contextlib.AbstractContextManager]:
+    """`GatheredParameters` for models/hf_io.load_weights_into, which calls it as
+    `gathered(params, modifier_rank=0)` (keeps deepspeed out of models/)."""
+    return _deepspeed().zero.GatheredParameters
+
+
+@contextlib.contextmanager
+def gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Read-only full view of partitioned parameters on every rank (collective)."""
+    deepspeed = _deepspeed()
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def warmup_cosine(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
+    """lr multiplier at update n: linear warmup from 1/warmup to 1, then cosine down to min_ratio."""
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def initialize(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig, total_updates: int):
+    """deepspeed.initialize with the config's AdamW and our warmup + cosine LambdaLR.
+
+    The scheduler is a LambdaLR stepped by DeepSpeed once per applied optimizer update; its
+    `last_epoch` is in DeepSpeed's checkpoint, so resume continues the exact lr.
+    """
+    deepspeed = _deepspeed()
+    factor = warmup_cosine(
+        run.warmup_updates(total_updates), total_updates, run.optim.cosine, run.optim.min_lr_ratio
+    )
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=copy.deepcopy(ds_config),
+        lr_scheduler=scheduler,
+    )
+    return engine
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The full (unpartitioned) state dict, gathered one parameter at a time; on rank 0, else None.
+
+    Collective: every rank must call it. Peak memory on rank 0 is the model size in the parameter
+    dtype (plus one gathered tensor), never the optimizer state.
+    """
+    deepspeed = _deepspeed()
+    module = engine.module
+    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if out is not None:
+                out[name] = param.detach().clone().cpu()
+    for name, buf in module.named_buffers():
+        if out is not None and buf is not None and not name.endswith("inv_freq"):
+            out[name] = buf.detach().clone().cpu()
+    return out
+
+
+def fp32_state_dict_from_checkpoint(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Consolidate a ZeRO-3 checkpoint's fp32 master weights in one process (no process group),
+    with DeepSpeed's zero_to_fp32 reader."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="ds")
+
+
+def load_universal_instructions(ckpt_dir: Path, saved_world: int, world: int) -> str:
+    return (
+        f"checkpoint {ckpt_dir} was written by {saved_world} ranks but this run has {world}. "
+        f"ZeRO-3 shards are tied to the data-parallel world size. Convert it once with\n"
+        f"  python -m mdlmpe_ds.engine to-universal {ckpt_dir}\n"
+        f"(DeepSpeed's ds_to_universal), then resume again: the universal copy is picked up automatically."
+    )
+
+
+def ds_to_universal(ckpt_dir: Path) -> Path:
+    """Convert `ckpt_dir/ds` (ZeRO-3 shards of one world size) into `ckpt_dir/ds_universal` with
+    DeepSpeed's ds_to_universal (single process, no process group)."""
+    import sys
+
+    from deepspeed.checkpoint import ds_to_universal as tool
+
+    src, dst = ckpt_dir / "ds", ckpt_dir / "ds_universal"
+    argv, sys.argv = (
+        sys.argv,
+        [
+            "ds_to_universal",
+            "--input_folder",
+            str(src),
+            "--output_folder",
+            str(dst),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+    )
+    try:
+        args = tool.parse_arguments()
+    finally:
+        sys.argv = argv
+    tool.main(args)
+    return dst
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "to-universal":
+        out = ds_to_universal(Path(sys.argv[2]))
+        print(f"universal checkpoint written to {out}")
+    else:
+        raise SystemExit("usage: python -m mdlmpe_ds.engine to-universal CHECKPOINT_DIR")

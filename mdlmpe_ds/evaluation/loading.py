@@ -1,0 +1,75 @@
+"""Load a model (and its tokenizer) for inference from an exported HF directory or a training run.
+
+- An exported / Hugging Face directory (``config.json`` + safetensors): ``hf_io.load_pretrained``.
+- A training output (output_dir, ``checkpoints/``, a step directory or ``latest``): the newest
+  COMPLETE ZeRO-3 checkpoint is consolidated in this process from its fp32 master weights, as
+  ``launch/export.py`` does, and the tokenizer recorded by the run is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mdlmpe_ds.models.hf_io import CONFIG_NAME, load_pretrained
+from mdlmpe_ds.models.transformer import DiffusionLM
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """An exported directory: config.json next to safetensors weights (one file or an index)."""
+    path = Path(path)
+    return (path / CONFIG_NAME).is_file() and any(path.glob("*.safetensors"))
+
+
+def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
+    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds import engine
+    from mdlmpe_ds.models.config import ModelConfig
+
+    step_dir = ckpt.resolve_checkpoint(path)
+    saved = ckpt.read_saved_run(step_dir)
+    config = ModelConfig.from_dict(saved.model_config)
+    config.gradient_checkpointing = False
+    model = DiffusionLM(config)
+    reference = model.state_dict()
+    state = {}
+    for name, tensor in engine.fp32_state_dict_from_checkpoint(step_dir).items():
+        want = reference.get(name)
+        if want is not None and want.shape != tensor.shape and want.numel() == tensor.numel():
+            tensor = tensor.reshape(want.shape)  # the engine stores MDLMPE's scalar gate as [1]
+        state[name] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("active_kv")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{step_dir}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    return model, saved.tokenizer
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32"
+) -> tuple[DiffusionLM, str | None]:
+    """(model in eval mode on ``device`` in ``dtype``, tokenizer directory or None)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} must be one of {sorted(DTYPES)}")
+    path = Path(path)
+    if is_hf_dir(path):
+        model, tokenizer = load_pretrained(path), str(path)
+    elif path.exists():
+        model, tokenizer = _from_training_run(path)
+    else:
+        raise FileNotFoundError(f"{path}: no such model directory or checkpoint")
+    model.config.gradient_checkpointing = False
+    return model.to(device=device, dtype=DTYPES[dtype]).eval(), tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A Hugging Face tokenizer from a local directory (no hub access)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

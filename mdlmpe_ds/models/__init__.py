@@ -1,0 +1,26 @@
+"""LLaDA / Dream backbones: config, presets, the transformer, and HF checkpoint directories."""
+
+from mdlmpe_ds.models.config import FAMILIES, POSITION_ENCODINGS, ModelConfig
+from mdlmpe_ds.models.hf_io import (
+    CheckpointError,
+    load_pretrained,
+    load_weights_into,
+    read_hf_config,
+    save_pretrained,
+)
+from mdlmpe_ds.models.presets import PRESETS, preset
+from mdlmpe_ds.models.transformer import DiffusionLM
+
+__all__ = [
+    "FAMILIES",
+    "POSITION_ENCODINGS",
+    "PRESETS",
+    "CheckpointError",
+    "DiffusionLM",
+    "ModelConfig",
+    "load_pretrained",
+    "load_weights_into",
+    "preset",
+    "read_hf_config",
+    "save_pretrained",
+]

@@ -1,0 +1,420 @@
+"""Hugging Face checkpoint directories: read/write ``config.json`` and (sharded) safetensors.
+
+The layout is the public checkpoints' own (MODELS.md §1-2): the family's ``config.json`` keys,
+``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (or one
+``model.safetensors``), and the exact upstream parameter names (``names.py``). Saving adds the
+MDLMPE / absolute-position keys when the model has them, and a ``mdlmpe_ds`` block in config.json
+with the project-only settings (position encoding, MDLMPE config).
+
+Loading is strict: every problem (missing shard file, missing or unexpected key, wrong shape,
+config of the other family) is found before any weight is copied and reported with its name.
+MDLMPE parameters absent from a checkpoint are initialised per SPEC §2. Weights are read one
+tensor at a time from memory-mapped files; ``gathered`` (e.g. ``deepspeed.zero.GatheredParameters``,
+passed in by the engine) gathers one partitioned parameter at a time, so under ZeRO-3 no rank ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mdlmpe_ds.models.config import ModelConfig
+from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
+from mdlmpe_ds.models.transformer import DiffusionLM, _is_mdlmpe_name
+from mdlmpe_ds.pe.config import MDLMPEConfig
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PROJECT_KEY = "mdlmpe_ds"  # config.json block with the settings upstream configs do not have
+
+GatherFactory = Callable[..., contextlib.AbstractContextManager]
+
+# Upstream options this implementation reproduces only at these values (MODELS.md §1).
+_LLADA_REQUIRED = {
+    "block_type": "llama",
+    "activation_type": "silu",
+    "layer_norm_type": "rms",
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "rope": True,
+    "alibi": False,
+    "attention_layer_norm": False,
+    "input_emb_norm": False,
+    "scale_logits": False,
+    "block_group_size": 1,
+    "bias_for_layer_norm": False,
+}
+_DREAM_REQUIRED = {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not match the model; the message names every problem."""
+
+
+# ---------------------------------------------------------------------------------------- config
+def detect_family(raw: Mapping[str, Any], where: str = CONFIG_NAME) -> str:
+    """'llada' for LLaDA's OLMo-style keys (``d_model``, ``n_heads``...), 'dream' for Qwen2 keys."""
+    model_type = str(raw.get("model_type", "")).lower()
+    if model_type == "llada" or "d_model" in raw:
+        return "llada"
+    if model_type in ("dream", "qwen2") or "num_hidden_layers" in raw:
+        return "dream"
+    raise CheckpointError(
+        f"{where}: cannot tell the model family (model_type={raw.get('model_type')!r}); expected LLaDA keys "
+        "(d_model, n_heads, ...) or Dream/Qwen2 keys (hidden_size, num_hidden_layers, ...)"
+    )
+
+
+def _require(raw: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in raw:
+        raise CheckpointError(f"{where}: required key {key!r} is missing")
+    return raw[key]
+
+
+def config_from_hf_dict(raw: Mapping[str, Any], where: str = CONFIG_NAME, **overrides: Any) -> ModelConfig:
+    """ModelConfig from a parsed config.json; ``overrides`` win (e.g. the run's ``max_seq_len``)."""
+    family = detect_family(raw, where)
+    if "family" in overrides and overrides["family"] != family:
+        raise CheckpointError(
+            f"{where}: describes a {family} model (model_type={raw.get('model_type')!r}), "
+            f"but a {overrides['family']} model was requested"
+        )
+    required = _LLADA_REQUIRED if family == "llada" else _DREAM_REQUIRED
+    for key, value in required.items():
+        if key in raw and raw[key] != value:
+            raise CheckpointError(f"{where}: {key}={raw[key]!r} is not supported (only {value!r})")
+    if family == "llada":
+        d_model = _require(raw, "d_model", where)
+        n_heads = _require(raw, "n_heads", where)
+        mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4) * d_model)
+        values: dict[str, Any] = {
+            "family": "llada",
+            # LLaDA's embedding table has ``embedding_size`` rows when set (126464 for LLaDA-8B).
+            "vocab_size": raw.get("embedding_size") or _require(raw, "vocab_size", where),
+            "hidden_size": d_model,
+            "num_layers": _require(raw, "n_layers", where),
+            "num_heads": n_heads,
+            "num_kv_heads": raw.get("n_kv_heads") or n_heads,
+            "intermediate_size": mlp,
+            "rms_norm_eps": raw.get("rms_norm_eps", 1e-5),
+            "rope_theta": raw.get("rope_theta", 10000.0),
+            "max_seq_len": raw.get("max_sequence_length", 4096),
+            "tie_embeddings": bool(raw.get("weight_tying", False)),
+            "mask_token_id": raw.get("mask_token_id", 126336),
+            "eos_token_id": raw.get("eos_token_id", 126081),
+            "pad_token_id": raw.get("pad_token_id", 126081),
+        }
+    else:
+        heads = _require(raw, "num_attention_heads", where)
+        values = {
+            "family": "dream",
+            "vocab_size": _require(raw, "vocab_size", where),
+            "hidden_size": _require(raw, "hidden_size", where),
+            "num_layers": _require(raw, "num_hidden_layers", where),
+            "num_heads": heads,
+            "num_kv_heads": raw.get("num_key_value_heads") or heads,
+            "intermediate_size": _require(raw, "intermediate_size", where),
+            "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
+            "rope_theta": raw.get("rope_theta", 10000.0),
+            "max_seq_len": raw.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+            "mask_token_id": raw.get("mask_token_id", 151666),
+            "eos_token_id": raw.get("eos_token_id", 151643),
+            "pad_token_id": raw.get("pad_token_id", 151643),
+        }
+    project = dict(raw.get(PROJECT_KEY) or {})
+    mdlmpe = project.pop("mdlmpe", None)
+    values.update(project)
+    values.update(overrides)
+    mdlmpe_values = dict(mdlmpe or {})
+    if isinstance(values.get("mdlmpe"), MDLMPEConfig):
+        mdlmpe_cfg = values.pop("mdlmpe")
+    else:
+        mdlmpe_values.update(values.pop("mdlmpe", None) or {})
+        mdlmpe_values["max_seq_len"] = values["max_seq_len"]  # L_ref follows the model (SPEC §2)
+        mdlmpe_cfg = MDLMPEConfig.from_dict(mdlmpe_values)
+    try:
+        return ModelConfig(**values, mdlmpe=mdlmpe_cfg).validate()
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: {err}") from err
+
+
+def read_hf_config(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """ModelConfig of a checkpoint directory (family detected from its config.json)."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no config.json in the checkpoint directory")
+    with open(file) as fh:
+        raw = json.load(fh)
+    return config_from_hf_dict(raw, str(file), **overrides)
+
+
+def hf_config_dict(config: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The family's own config.json for ``config`` (+ the ``mdlmpe_ds`` block, + ``extra`` keys)."""
+    if config.family == "llada":
+        raw: dict[str, Any] = {
+            "model_type": "llada",
+            "architectures": ["LLaDAModelLM"],
+            "d_model": config.hidden_size,
+            "n_layers": config.num_layers,
+            "n_heads": config.num_heads,
+            "n_kv_heads": config.num_kv_heads,
+            "mlp_hidden_size": config.intermediate_size,
+            "mlp_ratio": 4,
+            "vocab_size": config.vocab_size,
+            "embedding_size": config.vocab_size,
+            "weight_tying": config.tie_embeddings,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_full_precision": True,
+            "max_sequence_length": config.max_seq_len,
+            "layer_norm_with_affine": True,
+            "attention_dropout": 0.0,
+            "residual_dropout": 0.0,
+            "embedding_dropout": 0.0,
+            "flash_attention": False,
+            "init_std": config.init_std,
+            "use_cache": False,
+            "mask_token_id": config.mask_token_id,
+            "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id,
+            **_LLADA_REQUIRED,
+        }
+    else:
+        raw = {
+            "model_type": "Dream",
+            "architectures": ["DreamModel"],
+            "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads,
+            "intermediate_size": config.intermediate_size,
+            "vocab_size": config.vocab_size,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta,
+            "max_position_embeddings": config.max_seq_len,
+            "tie_word_embeddings": config.tie_embeddings,
+            "attention_dropout": 0.0,
+            "initializer_range": config.init_std,
+            "use_cache": False,
+            "mask_token_id": config.mask_token_id,
+            "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id,
+            **_DREAM_REQUIRED,
+        }
+    raw[PROJECT_KEY] = {
+        "position_encoding": config.position_encoding,
+        "init_std": config.init_std,
+        "mdlmpe": config.mdlmpe.to_dict(),
+    }
+    raw.update(extra or {})
+    return raw
+
+
+# ----------------------------------------------------------------------------------- weights
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it (index or single file); files must exist."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map' in the index")
+        missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})
+        if missing:
+            raise CheckpointError(f"{index}: shard files listed in the index are missing: {missing}")
+        return {key: path / name for key, name in weight_map.items()}
+    single = path / SINGLE_NAME
+    if single.is_file():
+        with safe_open(single, framework="pt") as fh:
+            return dict.fromkeys(fh.keys(), single)
+    raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+def _expected_keys(model: DiffusionLM) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """Checkpoint key -> (project name, parameter) for every parameter the checkpoint must hold."""
+    family = model.config.family
+    out = {}
+    for name, param in model.named_parameters():  # tied lm_head is listed once, as embed.tokens
+        out[to_checkpoint_name(name, family)] = (name, param)
+    return out
+
+
+def _shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def check_checkpoint(model: DiffusionLM, path: str | os.PathLike) -> tuple[dict[str, Path], list[str]]:
+    """Strict check of a directory against ``model``: returns (key -> file, absent MDLMPE names).
+
+    Raises ``CheckpointError`` listing missing keys, unexpected keys and shape mismatches.
+    """
+    path = Path(path)
+    files = _checkpoint_files(path)
+    expected = _expected_keys(model)
+    family = model.config.family
+    missing = [key for key in expected if key not in files]
+    absent_mdlmpe = [expected[key][0] for key in missing if _is_mdlmpe_name(expected[key][0])]
+    missing = [key for key in missing if not _is_mdlmpe_name(expected[key][0])]
+    unexpected = sorted(key for key in files if key not in expected)
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {missing}")
+    if unexpected:
+        hint = ""
+        if all(from_checkpoint_name(key, family) is None for key in unexpected):
+            other = "dream" if family == "llada" else "llada"
+            if any(from_checkpoint_name(key, other) is not None for key in unexpected):
+                hint = f" (these are {other} names: is config.json of the right family?)"
+        problems.append(f"unexpected keys ({len(unexpected)}){hint}: {unexpected}")
+    by_file: dict[Path, list[str]] = {}
+    for key in expected:
+        if key in files:
+            by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as fh:
+            for key in keys:
+                got = tuple(fh.get_slice(key).get_shape())
+                want = _shape(expected[key][1])
+                if got != want:
+                    problems.append(f"wrong shape for {key} in {file.name}: checkpoint {got}, model {want}")
+    if problems:
+        raise CheckpointError(
+            f"{path}: checkpoint does not match the {family} model:\n  " + "\n  ".join(problems)
+        )
+    return files, absent_mdlmpe
+
+
+def _no_gather(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None):
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def load_weights_into(
+    model: DiffusionLM, path: str | os.PathLike, gathered: GatherFactory | None = None
+) -> list[str]:
+    """Copy a checkpoint directory into ``model`` one tensor at a time; returns the MDLMPE names that
+    were absent and were initialised per SPEC §2 instead.
+
+    ``gathered(params, modifier_rank=0)`` is entered around each copy (ZeRO-3: gathers that one
+    parameter on every rank, and rank 0's copy is scattered back on exit). Every rank reads the
+    same tensor from the memory-mapped file, so all ranks hold identical values anyway.
+    """
+    gather = gathered or _no_gather
+    files, absent_mdlmpe = check_checkpoint(model, path)
+    expected = _expected_keys(model)
+    by_file: dict[Path, list[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    if absent_mdlmpe:
+        # 1. Fresh SPEC §2 values for every MDLMPE parameter; the ones present are overwritten below.
+        model.reset_mdlmpe_parameters(gathered=gather)
+    # 2. One tensor at a time, file by file.
+    for file in sorted(by_file):
+        with safe_open(file, framework="pt") as fh:
+            for key in by_file[file]:
+                param = expected[key][1]
+                with gather([param], modifier_rank=0):
+                    param.copy_(fh.get_tensor(key).to(param.dtype))
+    return absent_mdlmpe
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **overrides: Any,
+) -> DiffusionLM:
+    """Build the model described by ``path``/config.json (+ ``overrides``) and load its weights.
+
+    The model is built on the meta device and materialised uninitialised (no random init of 8B
+    parameters, one allocation in the target dtype); the strict check guarantees every backbone
+    tensor is then overwritten, and absent MDLMPE parameters get their SPEC §2 values.
+    """
+    config = read_hf_config(path, **overrides)
+    model = DiffusionLM(config, device="meta")
+    if dtype is not None:
+        model.to(dtype)
+    model.to_empty(device=device if device is not None else "cpu")
+    model.tie_weights()
+    # Buffers are not in the checkpoint: restore their constructor values (all KV heads active).
+    model.set_active_kv_heads(torch.ones(config.num_kv_heads, dtype=torch.bool))
+    load_weights_into(model, path)
+    return model
+
+
+# ------------------------------------------------------------------------------------- saving
+def _state_dict_of(
+    model_or_state_dict: DiffusionLM | Mapping[str, torch.Tensor],
+) -> Mapping[str, torch.Tensor]:
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        return dict(model_or_state_dict.named_parameters())
+    return model_or_state_dict
+
+
+def save_pretrained(
+    model_or_state_dict: DiffusionLM | Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    config: ModelConfig,
+    max_shard_bytes: int = 5 * 1024**3,
+    extra_config: Mapping[str, Any] | None = None,
+) -> list[Path]:
+    """Write config.json and the weights under the upstream names (+ MDLMPE keys); returns the files.
+
+    A state dict uses the project's names (``DiffusionLM.state_dict()`` or a ZeRO-3 consolidated
+    one); with tied embeddings ``lm_head.weight`` is dropped as upstream. Several shards get
+    ``model-0000K-of-0000N.safetensors`` and the index; one shard is written as ``model.safetensors``.
+    """
+    config.validate()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = _state_dict_of(model_or_state_dict)
+    entries: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in state.items():
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        entries.append((to_checkpoint_name(name, config.family), tensor))
+    # 1. Plan the shards by byte size (order kept), then write one shard at a time.
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, tensor in entries:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, tensor))
+        size += nbytes
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
+    written = []
+    for name, shard in zip(names, shards):
+        # safetensors refuses shared or non-contiguous storage: give each tensor its own copy.
+        tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in shard}
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        written.append(path / name)
+    if len(shards) > 1:
+        weight_map = {key: name for name, shard in zip(names, shards) for key, _ in shard}
+        total = sum(t.numel() * t.element_size() for _, t in entries)
+        with open(path / INDEX_NAME, "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+        written.append(path / INDEX_NAME)
+    elif (path / INDEX_NAME).exists():
+        (path / INDEX_NAME).unlink()  # a stale index from an earlier sharded save would shadow the file
+    with open(path / CONFIG_NAME, "w") as fh:
+        json.dump(hf_config_dict(config, extra_config), fh, indent=2)
+    written.append(path / CONFIG_NAME)
+    return written

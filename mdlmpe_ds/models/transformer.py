@@ -1,0 +1,324 @@
+"""One bidirectional diffusion transformer for LLaDA and Dream (SPEC §3, MODELS.md §2).
+
+Pre-norm blocks ``h = x + o(Attn(norm(x)))``, ``y = h + down(silu(gate(norm(h))) * up(norm(h)))``,
+a final RMSNorm and an (optionally tied) LM head; attention is never causal. What differs between
+the families comes from ``ModelConfig`` properties: q/k/v biases (Dream), the logit shift (Dream),
+fp32 RoPE (LLaDA), the embedding padding row (Dream), and GQA via ``num_kv_heads``.
+
+Module names here are the project's own (``embed.tokens``, ``layers.N.attn.q_proj``, ...);
+``mdlmpe_ds.models.names`` maps them to the exact upstream checkpoint names.
+
+ZeRO-3 notes (the model itself never imports DeepSpeed):
+- every parameter is initialised inside the constructor of the module that owns it, so building
+  under ``deepspeed.zero.Init`` (which partitions each module right after its own ``__init__``)
+  keeps the intended initial values;
+- a few parameters are read outside their owner's ``forward`` (the MDLMPE phase MLP is consumed as
+  raw weights by the attention kernels, the embedding path reads W_p, b_p and g);
+  ``zero3_external_parameters`` lists them with the module that reads them, for the engine to
+  register with ``deepspeed.zero.register_external_parameter``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mdlmpe_ds.attention import mdlmpe_attention, rope_attention
+from mdlmpe_ds.models.config import ModelConfig
+from mdlmpe_ds.models.layers import (
+    NormalEmbedding,
+    NormalLinear,
+    RMSNorm,
+)
+from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
+from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
+from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
+from mdlmpe_ds.pe.phase import PhaseMLP
+from mdlmpe_ds.pe.rope import apply_rotary, rotary_angles
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); LLaDA's ``ff_proj`` is the gate, ``up_proj`` the linear branch."""
+
+    def __init__(self, config: ModelConfig, device=None) -> None:
+        super().__init__()
+        d, m, std = config.hidden_size, config.intermediate_size, config.init_std
+        self.gate_proj = NormalLinear(d, m, False, std, device)
+        self.up_proj = NormalLinear(d, m, False, std, device)
+        self.down_proj = NormalLinear(m, d, False, std, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LayerContext:
+    """What every layer of one forward shares, computed once: rotary cos/sin [L, F], key validity
+    [B, L] (None = all valid), the MDLMPE features, and the ALiBi bias [B|1, H, L, L]."""
+
+    __slots__ = ("alibi", "cos", "features", "key_valid", "sin")
+
+    def __init__(self, cos=None, sin=None, key_valid=None, features=None, alibi=None) -> None:
+        self.cos, self.sin, self.key_valid, self.features, self.alibi = cos, sin, key_valid, features, alibi
+
+
+class Attention(nn.Module):
+    """Bidirectional multi-head / grouped-query attention with the configured position encoding."""
+
+    def __init__(self, config: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.config = config
+        d, hd, std = config.hidden_size, config.head_dim, config.init_std
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.q_proj = NormalLinear(d, config.num_heads * hd, config.qkv_bias, std, device)
+        self.k_proj = NormalLinear(d, config.num_kv_heads * hd, config.qkv_bias, std, device)
+        self.v_proj = NormalLinear(d, config.num_kv_heads * hd, config.qkv_bias, std, device)
+        self.o_proj = NormalLinear(config.num_heads * hd, d, False, std, device)
+        if config.position_encoding == "mdlmpe":
+            num_pairs = hd // 2
+            self.phase = PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
+        else:
+            self.phase = None
+        # Per-KV-head MDLMPE switch (SPEC §2 "Heads"); not a checkpoint tensor.
+        self.register_buffer(
+            "active_kv", torch.ones(config.num_kv_heads, dtype=torch.bool, device=device), persistent=False
+        )
+        self._all_active = True
+
+    def set_active_kv_heads(self, mask: torch.Tensor) -> None:
+        if mask.shape != (self.num_kv_heads,) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"active KV head mask must be bool [{self.num_kv_heads}], got {mask.dtype} "
+                f"{tuple(mask.shape)}"
+            )
+        self.active_kv.copy_(mask.to(self.active_kv.device))
+        self._all_active = bool(mask.all())
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # 1. Projections.                                   q [B, Hq, L, d_h]; k, v [B, Hkv, L, d_h]
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # 2. Position encoding and attention.                                      out [B, Hq, L, d_h]
+        encoding = self.config.position_encoding
+        if encoding in ("rope", "mdlmpe"):
+            fp32 = self.config.rope_fp32
+            q, k = apply_rotary(q, ctx.cos, ctx.sin, fp32), apply_rotary(k, ctx.cos, ctx.sin, fp32)
+        if encoding == "mdlmpe":
+            out = mdlmpe_attention(
+                q,
+                k,
+                v,
+                ctx.features.A,
+                ctx.features.D,
+                self.phase.params(),
+                self.config.mdlmpe,
+                active_kv=None if self._all_active else self.active_kv,
+                key_valid=ctx.key_valid,
+            )
+        elif encoding == "alibi":
+            out = alibi_attention(q, k, v, ctx.alibi)
+        else:  # rope, absolute: plain bidirectional SDPA (absolute positions were added to the input)
+            out = rope_attention(q, k, v, ctx.key_valid)
+        # 3. Output projection.                                                           [B, L, d]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (LLaDA ``LLaDALlamaBlock`` / Qwen2 decoder layer, without the mask)."""
+
+    def __init__(self, config: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.attn = Attention(config, device)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.mlp = SwiGLU(config, device)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), ctx)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class InputEmbedding(nn.Module):
+    """Token embedding, plus the absolute table or the MDLMPE embedding path when selected.
+
+    Returns the block input [B, L, d] and, for MDLMPE, the availability features (b, a, A, D),
+    computed once per forward from the input ids and validity and shared by every layer.
+    """
+
+    def __init__(self, config: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.tokens = NormalEmbedding(
+            config.vocab_size, config.hidden_size, config.embedding_padding_idx, config.init_std, device
+        )
+        self.positions = (
+            LearnedPositionEmbedding(config.max_seq_len, config.hidden_size, config.init_std, device)
+            if config.position_encoding == "absolute"
+            else None
+        )
+        self.mdlmpe = (
+            MDLMPEEncoder(
+                config.mdlmpe,
+                config.head_dim,
+                config.hidden_size,
+                config.rope_theta,
+                config.mask_token_id,
+                device=device,
+            )
+            if config.position_encoding == "mdlmpe"
+            else None
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, AvailabilityFeatures | None]:
+        x = self.tokens(input_ids)  # [B, L, d]
+        if self.positions is not None:
+            x = self.positions(x)
+        features = None
+        if self.mdlmpe is not None:
+            features = self.mdlmpe.features(input_ids, valid)  # b, a [B, L]; A, D [B, L, F] fp32
+            x = self.mdlmpe.embed(x, features)
+        return x, features
+
+
+class DiffusionLM(nn.Module):
+    """LLaDA / Dream masked diffusion LM (module docstring: layout, family differences, ZeRO-3 notes)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.embed = InputEmbedding(config, device)
+        self.layers = nn.ModuleList(Block(config, device) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.lm_head = NormalLinear(config.hidden_size, config.vocab_size, False, config.init_std, device)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings, one Parameter object serves the input table and the LM head (also
+        under ZeRO-3, where lm_head's forward gathers it). Re-run after ``to_empty``, which unties."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.tokens.weight
+
+    # --- forward ---
+    def forward(
+        self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, raw: bool = False
+    ) -> torch.Tensor:
+        """Logits [B, L, V] in the parameter dtype, aligned so that logit i predicts token i.
+
+        ``valid`` [B, L] bool marks positions attention may see (False: padding, or future blocks in
+        blocked block diffusion); for MDLMPE it is also a_t. Dream's raw logits are next-token
+        aligned and are re-aligned here with ``cat(l[:, :1], l[:, :-1])`` unless ``raw=True``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        if valid is not None:
+            if valid.shape != input_ids.shape:
+                raise ValueError(
+                    f"valid {tuple(valid.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
+                )
+            valid = valid.bool()
+        length, cfg = input_ids.shape[1], self.config
+        x, features = self.embed(input_ids, valid)
+        key_valid = None if valid is None or bool(valid.all()) else valid
+        ctx = LayerContext(key_valid=key_valid, features=features)
+        if cfg.uses_rotary:
+            ctx.cos, ctx.sin = rotary_angles(length, cfg.head_dim, cfg.rope_theta, input_ids.device)  # [L, F]
+        if cfg.position_encoding == "alibi":
+            ctx.alibi = alibi_bias(length, cfg.num_heads, key_valid, input_ids.device)  # [B|1, H, L, L]
+        for layer in self.layers:
+            if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, use_reentrant=False)
+            else:
+                x = layer(x, ctx)
+        logits = self.lm_head(self.norm(x))  # [B, L, V]
+        if cfg.shift_logits and not raw:
+            logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
+        return logits
+
+    # --- MDLMPE controls ---
+    def set_active_kv_heads(self, mask: torch.Tensor) -> None:
+        """Which KV heads use the MDLMPE phase residual, in every layer (SPEC §2 "Heads"). [Hkv] bool."""
+        for layer in self.layers:
+            layer.attn.set_active_kv_heads(mask)
+
+    def mdlmpe_parameter_names(self) -> list[str]:
+        """Names (as in ``named_parameters``) of the MDLMPE-only parameters: W_p, b_p, g, phase MLPs."""
+        return [name for name, _ in self.named_parameters() if _is_mdlmpe_name(name)]
+
+    def num_backbone_parameters(self) -> int:
+        """Parameters of the backbone (everything but MDLMPE), counted once even when tied.
+
+        Uses ``ds_numel`` when present so the count is the full one under ZeRO-3 partitioning.
+        """
+        return sum(_numel(p) for name, p in self.named_parameters() if not _is_mdlmpe_name(name))
+
+    def num_mdlmpe_parameters(self) -> int:
+        return sum(_numel(p) for name, p in self.named_parameters() if _is_mdlmpe_name(name))
+
+    def zero3_external_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs where ``module.forward`` reads a parameter it does not own.
+
+        The attention kernels consume the phase MLP as raw weights (``PhaseMLP.params()``) and the
+        embedding path reads W_p, b_p and g directly, so ZeRO-3's per-module gathering would not
+        fetch them. The engine registers each pair with ``deepspeed.zero.register_external_parameter``
+        before ``deepspeed.initialize``; this module never imports DeepSpeed.
+        """
+        pairs: list[tuple[nn.Module, nn.Parameter]] = []
+        if self.embed.mdlmpe is not None:
+            pairs += [(self.embed, p) for p in self.embed.mdlmpe.parameters()]
+        for layer in self.layers:
+            if layer.attn.phase is not None:
+                pairs += [(layer.attn, p) for p in layer.attn.phase.parameters()]
+        return pairs
+
+    def zero3_leaf_modules(self) -> list[nn.Module]:
+        """The modules whose ``forward`` reads MDLMPE parameters of a child (the readers in
+        ``zero3_external_parameters``). Register those parameters as external to these modules;
+        do not flag them with ``set_z3_leaf_modules``: with DeepSpeed 0.19.8 that gathered them for
+        the forward but not for the backward here (size-0 weight in autograd)."""
+        readers: list[nn.Module] = []
+        for module, _ in self.zero3_external_parameters():
+            if not any(module is seen for seen in readers):
+                readers.append(module)
+        return readers
+
+    @torch.no_grad()
+    def reset_mdlmpe_parameters(self, gathered: Callable[..., AbstractContextManager] | None = None) -> None:
+        """Initialise the MDLMPE parameters per SPEC §2 (W2 = b2 = 0, b_p = 0, gamma = gamma_init).
+
+        Needed after building under ``deepspeed.zero.Init``: ``PhaseMLP`` and ``MDLMPEEncoder`` set
+        W2 = b2 = 0 and W_p, b_p from their own constructor, after ZeRO-3 has already partitioned
+        the child ``nn.Linear`` layers, so those writes are lost. Pass
+        ``gathered=deepspeed.zero.GatheredParameters``; rank 0's values are kept. Also used when a
+        checkpoint lacks the MDLMPE keys.
+        """
+        params = dict(self.named_parameters())
+        names = self.mdlmpe_parameter_names()
+        context = gathered([params[n] for n in names], modifier_rank=0) if gathered else nullcontext()
+        with context:
+            if self.embed.mdlmpe is not None:
+                self.embed.mdlmpe.reset_parameters()
+                if self.embed.mdlmpe.coordinate is not None:  # ablation "MLP instead of the basis"
+                    for module in self.embed.mdlmpe.coordinate.modules():
+                        if isinstance(module, nn.Linear):
+                            module.reset_parameters()
+            for layer in self.layers:
+                if layer.attn.phase is not None:
+                    layer.attn.phase.reset_parameters()
+
+
+def _is_mdlmpe_name(name: str) -> bool:
+    return name.startswith("embed.mdlmpe.") or ".attn.phase." in name
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+__all__ = ["Attention", "Block", "DiffusionLM", "InputEmbedding", "LayerContext", "RMSNorm", "SwiGLU"]

@@ -1,0 +1,396 @@
+"""The blocked MDLMPE attention against the spec (reference_attention) and against plain RoPE.
+
+Tiny fp32 shapes on CPU. Tolerances: both paths compute the same fp32 sums in a different order
+(blocked: RoPE matmul + correction E; reference: rotated keys, one sum), so forward values and
+gradients agree to a few fp32 ulps of O(1) numbers: 2e-5 absolute and relative is ~100 ulps of
+headroom and still far below the size of the MDLMPE effect (|delta| ~ 0.1-0.25 rad here).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from mdlmpe_ds.attention import blocked
+from mdlmpe_ds.attention.blocked import PairCoefficients, PairCorrection, blocked_attention, pair_correction
+from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.attention.reference import reference_attention
+from mdlmpe_ds.pe.availability import availability, gaussian_taps, sine_basis, token_summaries
+from mdlmpe_ds.pe.heads import query_head_mask
+from mdlmpe_ds.pe.phase import PhaseMLP, mdlmpe_pairs, pair_phase
+from mdlmpe_ds.pe.rope import apply_rotary, inverse_frequencies, rotary_angles
+
+TAU_MAX = 0.25
+KAPPA = 1e-4
+THETA = 10000.0
+MASK_ID = 0
+TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def _features(ids: torch.Tensor, valid: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A, D [B, L, F] from token ids through the real availability path (W = 3, sigma = 1)."""
+    b, a = availability(ids, MASK_ID, valid)
+    basis = sine_basis(ids.shape[1], head_dim, THETA)
+    return token_summaries(b, a, basis, gaussian_taps(3, 1.0), 1e-6)
+
+
+def _phase(num_pairs: int, seed: int, random: bool = True) -> PhaseMLP:
+    """Phase MLP; ``random`` replaces the zero-initialised output layer so delta is far from 0."""
+    torch.manual_seed(seed)
+    mlp = PhaseMLP(num_pairs, 8)
+    if random:
+        with torch.no_grad():
+            mlp.fc2.weight.normal_(0.0, 1.5)
+            mlp.fc2.bias.normal_(0.0, 0.5)
+    return mlp
+
+
+def _inputs(
+    batch: int = 2,
+    q_heads: int = 4,
+    kv_heads: int = 2,
+    length: int = 11,
+    head_dim: int = 8,
+    seed: int = 0,
+    pad: bool = True,
+    dtype: torch.dtype = torch.float32,
+    mask_fraction: float = 0.5,
+):
+    """Rotated q, k, v (leaf tensors), A, D from a random mask pattern, and key_valid."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (batch, length), generator=gen)
+    ids[torch.rand(batch, length, generator=gen) < mask_fraction] = MASK_ID
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    if pad and length > 3:
+        valid[-1, -3:] = False  # right padding on the last sequence
+    A, D = _features(ids, valid, head_dim)
+    q = torch.randn(batch, q_heads, length, head_dim, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(batch, kv_heads, length, head_dim, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(batch, kv_heads, length, head_dim, generator=gen).to(dtype).requires_grad_()
+    return q, k, v, A, D, valid
+
+
+def _grads(out: torch.Tensor, tensors: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return list(torch.autograd.grad((out.float() * weight).sum(), tensors))
+
+
+def test_zero_phase_equals_rope():
+    """PhaseMLP as built (W2 = b2 = 0): delta = 0, so the layer is RoPE attention (SPEC §2)."""
+    q, k, v, A, D, valid = _inputs(q_heads=6, kv_heads=3)
+    mlp = _phase(4, seed=3, random=False)
+    active = torch.tensor([True, False, True])
+    out = blocked_attention(
+        q,
+        k,
+        v,
+        A,
+        D,
+        mlp.params(),
+        tau_max=TAU_MAX,
+        clip_kappa=KAPPA,
+        active_kv=active,
+        key_valid=valid,
+        block_size=4,
+    )
+    torch.testing.assert_close(out, rope_attention(q, k, v, valid), atol=1e-6, rtol=1e-6)
+
+
+CASES = [
+    # (block_size, checkpoint, q_heads, kv_heads, active pattern or None, pad)
+    (4, True, 4, 2, None, True),  # C does not divide L = 11
+    (1, True, 4, 2, (True, False), True),  # C = 1, partial head mask
+    (11, False, 4, 4, (False, True, True, False), True),  # C = L, MHA
+    (32, True, 6, 2, (False, True), False),  # C > L, GQA 3:1
+    (3, False, 4, 1, None, True),  # one KV head for all queries
+    (5, True, 8, 4, (True, False, False, True), True),
+]
+
+
+@pytest.mark.parametrize(("block_size", "ckpt", "q_heads", "kv_heads", "pattern", "pad"), CASES)
+def test_matches_reference(block_size, ckpt, q_heads, kv_heads, pattern, pad):
+    """Forward and the gradients of q, k, v, every phase-MLP parameter (and A, D when they are
+    differentiable) equal the spec's, for C dividing L or not, C = 1, C >= L, GQA, head masks."""
+    q, k, v, A, D, valid = _inputs(q_heads=q_heads, kv_heads=kv_heads, pad=pad, seed=block_size)
+    mlp = _phase(4, seed=block_size)
+    delta = pair_phase(A, D, A, D, mlp.params(), TAU_MAX, KAPPA)
+    assert 0.1 < delta.abs().max() <= TAU_MAX  # the residual is large enough to matter
+    active = None if pattern is None else torch.tensor(pattern)
+    key_valid = valid if pad else None
+    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "active_kv": active, "key_valid": key_valid}
+    leaves = [q, k, v, *mlp.params()]
+    if block_size % 2:  # A, D differentiable, as with the learned ("mlp") coordinate
+        A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
+        leaves += [A, D]
+    ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, checkpoint=ckpt, **kwargs)
+    torch.testing.assert_close(out, ref, **TOL)
+    # The correction is not negligible: blocked differs from plain RoPE by far more than TOL.
+    if pattern is None or any(pattern):
+        assert (out - rope_attention(q, k, v, key_valid)).abs().max() > 1e-3
+    names = ("q", "k", "v", "w1", "b1", "w2", "b2", "A", "D")
+    for name, got, want in zip(names, _grads(out, leaves), _grads(ref, leaves)):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_sign_convention_total_angle():
+    """q^T R(delta) k on RoPE-rotated vectors = the un-rotated pair turned by (j - i) w_f + delta_ij,f."""
+    batch, heads, length, head_dim = 1, 2, 9, 8
+    num_pairs = head_dim // 2
+    gen = torch.Generator().manual_seed(7)
+    q0 = torch.randn(batch, heads, length, head_dim, generator=gen)
+    k0 = torch.randn(batch, heads, length, head_dim, generator=gen)
+    v = torch.randn(batch, heads, length, head_dim, generator=gen)
+    ids = torch.randint(0, 3, (batch, length), generator=gen)  # ~1/3 masked (MASK_ID = 0)
+    A, D = _features(ids, torch.ones(batch, length, dtype=torch.bool), head_dim)
+    mlp = _phase(num_pairs, seed=5)
+    cos, sin = rotary_angles(length, head_dim, THETA)
+    out = blocked_attention(
+        apply_rotary(q0, cos, sin),
+        apply_rotary(k0, cos, sin),
+        v,
+        A,
+        D,
+        mlp.params(),
+        tau_max=TAU_MAX,
+        clip_kappa=KAPPA,
+        block_size=4,
+    )
+    # Independent construction: total angle per (i, j, f), rotate the raw key pair, dot the raw query pair.
+    pos = torch.arange(length, dtype=torch.float32)
+    angle = (pos[None, :] - pos[:, None])[..., None] * inverse_frequencies(head_dim, THETA)  # [L, L, F]
+    angle = angle.expand(batch, length, length, num_pairs).clone()
+    angle[..., mdlmpe_pairs(num_pairs)] += pair_phase(A, D, A, D, mlp.params(), TAU_MAX, KAPPA)
+    c, s = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)  # [B, 1, L, L, F]
+    q1, q2 = q0[..., :num_pairs].unsqueeze(3), q0[..., num_pairs:].unsqueeze(3)  # [B, H, L, 1, F]
+    k1, k2 = k0[..., :num_pairs].unsqueeze(2), k0[..., num_pairs:].unsqueeze(2)  # [B, H, 1, L, F]
+    scores = (q1 * (c * k1 - s * k2) + q2 * (s * k1 + c * k2)).sum(-1) / math.sqrt(head_dim)
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v, **TOL)
+
+
+@pytest.mark.parametrize("mask_fraction", [0.0, 1.0], ids=["all_revealed", "all_masked"])
+def test_extreme_availability_is_finite_and_exact(mask_fraction):
+    """r = 0 or 1 everywhere: the clip keeps arccos differentiable; still equal to the reference."""
+    q, k, v, A, D, valid = _inputs(mask_fraction=mask_fraction, seed=11)
+    mlp = _phase(4, seed=11)
+    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid}
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=4, **kwargs)
+    grads = _grads(out, [q, k, v, *mlp.params()])
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out, reference_attention(q, k, v, A, D, mlp.params(), **kwargs), **TOL)
+
+
+def test_bf16_inputs_track_fp32_reference():
+    """bf16 q, k, v with the pair path in fp32: output is bf16 and within bf16 rounding of fp32.
+
+    Tolerance: inputs are rounded to bf16 by construction, so the only extra error is the final
+    cast of O(1) outputs to bf16 (relative step 2^-8 = 0.4%): atol = rtol = 1e-2.
+    """
+    q, k, v, A, D, valid = _inputs(dtype=torch.bfloat16, seed=13)
+    mlp = _phase(4, seed=13)
+    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid}
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=4, **kwargs)
+    assert out.dtype == torch.bfloat16
+    ref = reference_attention(q.float(), k.float(), v.float(), A, D, mlp.params(), **kwargs)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    grads = _grads(out, [q, k, v])
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
+def test_single_token_and_padding_only_rows():
+    """L = 1, and a batch row whose keys are all padding: outputs and gradients stay finite."""
+    q, k, v, A, D, _ = _inputs(length=1, pad=False, seed=17)
+    mlp = _phase(4, seed=17)
+    out = blocked_attention(q, k, v, A, D, mlp.params(), tau_max=TAU_MAX, clip_kappa=KAPPA)
+    torch.testing.assert_close(out, rope_attention(q, k, v))  # one key: softmax weight 1 on it
+    q, k, v, A, D, valid = _inputs(seed=19)
+    valid[0] = False  # the first sequence is padding only
+    A, D = _features(torch.randint(0, 5, valid.shape), valid, 8)
+    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid}
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=4, **kwargs)
+    grads = _grads(out, [q, k, v, *mlp.params()])
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out, reference_attention(q, k, v, A, D, mlp.params(), **kwargs), **TOL)
+
+
+def test_inactive_heads_are_plain_rope():
+    """Inactive heads: outputs and the q/k/v gradients through them equal RoPE SDPA's."""
+    q, k, v, A, D, valid = _inputs(q_heads=6, kv_heads=3, seed=23)
+    mlp = _phase(4, seed=23)
+    active = torch.tensor([False, True, False])
+    off = ~query_head_mask(active, 6)  # query heads of KV heads 0 and 2
+    out = blocked_attention(
+        q,
+        k,
+        v,
+        A,
+        D,
+        mlp.params(),
+        tau_max=TAU_MAX,
+        clip_kappa=KAPPA,
+        active_kv=active,
+        key_valid=valid,
+        block_size=4,
+    )
+    rope = rope_attention(q, k, v, valid)
+    torch.testing.assert_close(out[:, off], rope[:, off], atol=1e-6, rtol=1e-6)
+    assert (out[:, ~off] - rope[:, ~off]).abs().max() > 1e-3  # the active head did change
+    weight = torch.randn(out.shape) * off.view(1, -1, 1, 1)  # loss on the inactive heads only
+    got = torch.autograd.grad((out * weight).sum(), [q, k, v])
+    want = torch.autograd.grad((rope * weight).sum(), [q, k, v])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_no_active_head_does_no_pair_work(monkeypatch):
+    """All heads off: plain RoPE, and the pair path (region 1) is never entered."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pair coefficients computed with no active head")
+
+    monkeypatch.setattr(blocked, "pair_coefficients", forbidden)
+    q, k, v, A, D, valid = _inputs()
+    out = blocked_attention(
+        q,
+        k,
+        v,
+        A,
+        D,
+        _phase(4, seed=1).params(),
+        tau_max=TAU_MAX,
+        clip_kappa=KAPPA,
+        active_kv=torch.zeros(2, dtype=torch.bool),
+        key_valid=valid,
+    )
+    assert torch.equal(out, rope_attention(q, k, v, valid))
+
+
+def test_hand_written_backward_matches_autograd():
+    """PairCorrection (eager) against the broadcast expression the compiled path differentiates,
+    in float64 with torch.autograd.gradcheck for the hand-written backward itself."""
+    gen = torch.Generator().manual_seed(29)
+    batch, kv_heads, rows, group, num_mdl, length = 2, 2, 3, 2, 2, 5
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    qp = leaf(batch, kv_heads, rows, group, 2 * num_mdl)
+    ka, kb = leaf(batch, kv_heads, 2, num_mdl, length), leaf(batch, kv_heads, 2, num_mdl, length)
+    alpha, beta = leaf(batch, rows, num_mdl, length), leaf(batch, rows, num_mdl, length)
+    inputs = (qp, ka, kb, alpha, beta)
+    assert torch.autograd.gradcheck(PairCorrection.apply, inputs)
+    fused, plain = pair_correction(*inputs, fused=True), pair_correction(*inputs, fused=False)
+    torch.testing.assert_close(fused, plain)
+    weight = torch.randn(fused.shape, generator=gen, dtype=torch.float64)
+    for g, w in zip(
+        torch.autograd.grad((fused * weight).sum(), inputs),
+        torch.autograd.grad((plain * weight).sum(), inputs),
+    ):
+        torch.testing.assert_close(g, w)
+
+
+def test_region_one_backward_matches_autograd():
+    """PairCoefficients (eager) against autograd through pair_coefficients (what the compiled path
+    differentiates), gradcheck in float64 including A, D, with pair ratios that hit the clip."""
+    gen = torch.Generator().manual_seed(41)
+    batch, rows, length, num_pairs, hidden = 2, 3, 4, 4, 5
+
+    def leaf(*shape, low=0.0):
+        return (torch.rand(*shape, generator=gen, dtype=torch.float64) + low).requires_grad_()
+
+    a_rows, a_cols = leaf(batch, rows, num_pairs), leaf(batch, num_pairs, length)
+    d_rows, d_cols = leaf(batch, rows, num_pairs, low=1.0), leaf(batch, num_pairs, length, low=1.0)
+    with torch.no_grad():
+        a_rows[0, 0], d_rows[0, 0], a_cols[0, :, 0], d_cols[0, :, 0] = 0.0, 1.0, 0.0, 1.0  # r = 0: clipped
+    weights = [
+        torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+        for shape in ((hidden, num_pairs), (hidden,), (num_pairs // 2, hidden), (num_pairs // 2,))
+    ]
+    inputs = (a_rows, d_rows, a_cols, d_cols, *weights)
+    assert torch.autograd.gradcheck(lambda *x: PairCoefficients.apply(*x, TAU_MAX, KAPPA), inputs)
+    fused = PairCoefficients.apply(*inputs, TAU_MAX, KAPPA)
+    plain = blocked.pair_coefficients(*inputs, TAU_MAX, KAPPA)
+    weight = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in plain]
+    for f, p in zip(fused, plain):
+        torch.testing.assert_close(f, p)
+    loss_f = sum((f * w).sum() for f, w in zip(fused, weight))
+    loss_p = sum((p * w).sum() for p, w in zip(plain, weight))
+    for g, w in zip(torch.autograd.grad(loss_f, inputs), torch.autograd.grad(loss_p, inputs)):
+        torch.testing.assert_close(g, w)
+
+
+def test_checkpoint_keeps_no_pair_tensor_for_backward():
+    """With per-block checkpointing nothing of size L x L is saved for backward; without it is."""
+    q, k, v, A, D, valid = _inputs(batch=1, q_heads=2, kv_heads=2, length=48, seed=31)
+    mlp = _phase(4, seed=31)
+
+    def saved_elements(ckpt: bool) -> int:
+        largest = 0
+
+        def pack(t):
+            nonlocal largest
+            largest = max(largest, t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            blocked_attention(
+                q,
+                k,
+                v,
+                A,
+                D,
+                mlp.params(),
+                tau_max=TAU_MAX,
+                clip_kappa=KAPPA,
+                key_valid=valid,
+                block_size=8,
+                checkpoint=ckpt,
+            )
+        return largest
+
+    per_sequence = q.numel()  # B * Hq * L * d_h: the size of an input
+    assert saved_elements(True) <= per_sequence
+    assert saved_elements(False) >= 8 * 48 * 2  # a block's [C, L, |M|] pair tensor
+
+
+def test_block_starts_cover_every_row_once():
+    """The aligned schedule (compiled path) shifts the ragged last block back; rows stay a partition."""
+    for length, size in [(11, 4), (8, 4), (3, 8), (1, 1), (130, 128)]:
+        for aligned in (False, True):
+            starts = blocked._block_starts(length, size, aligned)
+            rows = [r for start, new in starts for r in range(new, min(start + size, length))]
+            assert rows == list(range(length)), (length, size, aligned)
+            if aligned and length >= size:
+                assert all(min(start + size, length) - start == size for start, _ in starts)
+
+
+def test_rejects_mismatched_features():
+    q, k, v, A, D, _ = _inputs()
+    with pytest.raises(ValueError, match="A "):
+        blocked_attention(
+            q, k, v, A[:, :-1], D[:, :-1], _phase(4, 1).params(), tau_max=TAU_MAX, clip_kappa=KAPPA
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MDLMPE_DS_TEST_COMPILE") != "1", reason="set MDLMPE_DS_TEST_COMPILE=1")
+def test_compiled_regions_match_eager():
+    """compile=True gives the eager numbers (tiny shapes; the first call compiles, ~1 min on CPU)."""
+    q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=2, length=11, seed=37)
+    mlp = _phase(4, seed=37)
+    kwargs = {
+        "tau_max": TAU_MAX,
+        "clip_kappa": KAPPA,
+        "key_valid": valid,
+        "block_size": 4,
+        "active_kv": torch.tensor([True, False]),
+    }
+    leaves = [q, k, v, *mlp.params()]
+    eager = blocked_attention(q, k, v, A, D, mlp.params(), **kwargs)
+    compiled = blocked_attention(q, k, v, A, D, mlp.params(), compile=True, **kwargs)
+    torch.testing.assert_close(compiled, eager, **TOL)
+    for got, want in zip(_grads(compiled, leaves), _grads(eager, leaves)):
+        torch.testing.assert_close(got, want, **TOL)

@@ -1,0 +1,299 @@
+"""The conditional ELBO estimator and the lm-eval adapter, through lm-eval's own evaluator on local tasks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from mdlmpe_ds.evaluation.likelihood import conditional_elbo, stratified_from, stratified_mask_counts
+from mdlmpe_ds.models import DiffusionLM, preset
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional 'eval' extra")
+
+
+class CharTokenizer:
+    """One token per character (code point < 500, inside llada-tiny's 512-token vocabulary)."""
+
+    bos_token_id = None
+    name_or_path = "char"
+
+    def encode(self, text, add_special_tokens=False):
+        ids = [ord(c) for c in text]
+        assert max(ids, default=0) < 500, text
+        return ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i < 500)
+
+
+class EchoFirstToken(torch.nn.Module):
+    """A tiny MDLMPE DiffusionLM whose logits get +8 on the row's first token: it 'knows' that the
+    answer repeats the first character of the question. Deterministic, so task scores are exact."""
+
+    def __init__(self, encoding="mdlmpe"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = DiffusionLM(preset("llada-tiny", position_encoding=encoding))
+        self.config = self.base.config
+
+    def forward(self, input_ids, valid=None):
+        logits = self.base(input_ids, valid=valid)
+        bias = torch.nn.functional.one_hot(input_ids[:, 0], logits.shape[-1]).to(logits.dtype) * 8.0  # [B, V]
+        return logits + bias[:, None, :]
+
+
+@pytest.fixture(scope="module")
+def echo():
+    return EchoFirstToken().eval()
+
+
+# ------------------------------------------------------------------------------------ estimator
+def test_stratified_counts_are_uniform_per_row_and_spread_over_the_batch():
+    for T, b in ((1, 4), (5, 10), (7, 7), (3, 32), (6, 4), (9, 2)):
+        rows = torch.stack([stratified_from(k0, T, b) for k0 in range(1, T + 1)])  # [T, b]
+        for i in range(b):  # k0 ~ U{1..T} => every row's k ~ U{1..T} (unbiased ELBO)
+            assert sorted(rows[:, i].tolist()) == list(range(1, T + 1))
+        counts = torch.bincount(rows[0], minlength=T + 1)[1:]
+        assert counts.max() - counts.min() <= 1
+    k = stratified_mask_counts(5, 10, torch.Generator().manual_seed(0))
+    assert k.min() >= 1 and k.max() <= 5
+
+
+def test_elbo_of_one_token_is_its_exact_log_probability(echo):
+    context, target = [72, 105, 33], [104]
+    g = torch.Generator().manual_seed(0)
+    elbo = conditional_elbo(echo, context, target, echo.config.mask_token_id, g, mc_num=4, batch_size=2)
+    with torch.no_grad():
+        logits = echo(torch.tensor([[*context, echo.config.mask_token_id]]))
+    exact = torch.log_softmax(logits[0, -1].double(), -1)[104].item()
+    assert elbo == pytest.approx(exact, abs=1e-6)
+
+
+def test_elbo_matches_its_expectation_by_enumeration(echo):
+    """E_k E_positions[-sum CE * T / k] enumerated over every (k, mask) for T = 3, vs the MC estimate."""
+    mask = echo.config.mask_token_id
+    context, target = [65, 66], [67, 68, 69]
+    T = len(target)
+    expected = 0.0
+    with torch.no_grad():
+        for k in range(1, T + 1):
+            subsets = list(itertools.combinations(range(T), k))
+            for subset in subsets:
+                noisy = list(target)
+                for j in subset:
+                    noisy[j] = mask
+                logp = torch.log_softmax(echo(torch.tensor([context + noisy]))[0].double(), -1)
+                ll = sum(logp[len(context) + j, target[j]].item() for j in subset)
+                expected += ll * T / k / len(subsets) / T
+    g = torch.Generator().manual_seed(1)
+    estimate = conditional_elbo(echo, context, target, mask, g, mc_num=600, batch_size=60)
+    assert estimate == pytest.approx(expected, rel=0.03)
+
+
+# ------------------------------------------------------------------------------------ lm-eval
+def _write_tasks(tmp_path):
+    letters = "abcdefghij"
+    mc = []
+    for c in letters:  # the right answer (the question's letter, repeated) at a varying index
+        gold = ord(c) % 3
+        others = ["xxx", "yyy", "zzz"]
+        mc.append({"question": f"{c}?", "choices": [*others[:gold], c * 3, *others[gold:2]], "answer": gold})
+    gen = [{"question": f"{c}:", "answer": c * 4} for c in letters[:4]]
+
+    (tmp_path / "mc.jsonl").write_text("\n".join(json.dumps(d) for d in mc))
+    (tmp_path / "gen.jsonl").write_text("\n".join(json.dumps(d) for d in gen))
+
+    def task(name, data, body):  # a local JSONL dataset; the datasets cache stays inside tmp_path
+        head = (
+            f"task: {name}\ndataset_path: json\ntest_split: test\n"
+            f"dataset_kwargs:\n  cache_dir: {tmp_path / 'cache'}\n"
+            f"  data_files:\n    test: {tmp_path / data}\n"
+        )
+        (tmp_path / f"{name}.yaml").write_text(head + body)
+
+    task(
+        "mdlmpe_local_mc",
+        "mc.jsonl",
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n",
+    )
+    task(
+        "mdlmpe_local_gen",
+        "gen.jsonl",
+        "output_type: generate_until\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 4\n'
+        "metric_list:\n  - metric: exact_match\n",
+    )
+    return len(mc), len(gen)
+
+
+def test_adapter_answers_local_tasks_through_lm_eval(tmp_path, echo, monkeypatch):
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    n_mc, n_gen = _write_tasks(tmp_path)
+    lm = MDLMPEEvalLM(
+        echo, tokenizer=CharTokenizer(), mc_num=4, mc_batch_size=4, batch_size=3, block_length=2
+    )
+    calls = {"loglikelihood": 0, "generate_until": 0}
+    for name in calls:
+        original = getattr(lm, name)
+
+        def counted(requests, *a, _name=name, _orig=original, **k):
+            calls[_name] += len(requests)
+            return _orig(requests, *a, **k)
+
+        setattr(lm, name, counted)
+    results = simple_evaluate(
+        model=lm,
+        tasks=["mdlmpe_local_mc", "mdlmpe_local_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        log_samples=True,
+    )
+    res = results["results"]
+    assert res["mdlmpe_local_mc"]["acc,none"] == 1.0
+    assert res["mdlmpe_local_gen"]["exact_match,none"] == 1.0
+    assert calls == {"loglikelihood": 3 * n_mc, "generate_until": n_gen}
+    outputs = [s["filtered_resps"][0] for s in results["samples"]["mdlmpe_local_gen"]]
+    assert outputs == ["aaaa", "bbbb", "cccc", "dddd"]
+
+
+def test_adapter_scores_are_independent_of_batching(echo):
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    reqs = [Req(text, {"until": ["\n"], "max_gen_toks": 4}) for text in ("q:", "zz", "r:")]
+    opts = dict(tokenizer=CharTokenizer(), temperature=1.0, block_length=2)
+    one = MDLMPEEvalLM(echo, batch_size=1, **opts).generate_until(reqs)
+    three = MDLMPEEvalLM(echo, batch_size=3, **opts).generate_until(reqs[::-1])[::-1]
+    assert one == three
+    ll = MDLMPEEvalLM(echo, mc_num=8, **opts).loglikelihood([Req("ab", " aa"), Req("ab", " bb")])
+    again = MDLMPEEvalLM(echo, mc_num=8, **opts).loglikelihood([Req("ab", " bb"), Req("ab", " aa")])[::-1]
+    assert ll == again and ll[0][0] > ll[1][0]
+
+
+_DP_SCRIPT = """
+import importlib.util, json, sys
+from pathlib import Path
+
+from lm_eval.evaluator import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+
+spec = importlib.util.spec_from_file_location("helpers", sys.argv[1])
+helpers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(helpers)
+tmp = Path(sys.argv[2])
+lm = MDLMPEEvalLM(helpers.EchoFirstToken().eval(), tokenizer=helpers.CharTokenizer(), device="cpu",
+                  mc_num=4, mc_batch_size=4, batch_size=2, block_length=2)
+handled = {}
+for name in ("loglikelihood", "generate_until"):
+    original = getattr(lm, name)
+    def counted(requests, *a, _name=name, _orig=original, **k):
+        handled[_name] = handled.get(_name, 0) + len(requests)
+        return _orig(requests, *a, **k)
+    setattr(lm, name, counted)
+results = simple_evaluate(model=lm, tasks=["mdlmpe_local_mc", "mdlmpe_local_gen"],
+                          task_manager=TaskManager(include_path=str(tmp), include_defaults=False),
+                          log_samples=True)
+(tmp / f"handled{lm.rank}.json").write_text(json.dumps(handled))
+if lm.rank == 0:
+    samples = {task: len(docs) for task, docs in results["samples"].items()}
+    (tmp / "results.json").write_text(json.dumps({"results": results["results"], "samples": samples}))
+"""
+
+
+@pytest.mark.dist
+def test_adapter_data_parallel_under_torchrun(tmp_path):
+    """Two gloo processes: lm-eval shards the requests by rank and rank 0 gathers the same scores."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    n_mc, n_gen = _write_tasks(tmp_path)
+    script = tmp_path / "dp.py"
+    script.write_text(_DP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        str(script),
+        __file__,
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    gathered = json.loads((tmp_path / "results.json").read_text())
+    results = gathered["results"]
+    assert gathered["samples"] == {"mdlmpe_local_mc": n_mc, "mdlmpe_local_gen": n_gen}  # all ranks' docs
+    assert results["mdlmpe_local_mc"]["acc,none"] == 1.0
+    assert results["mdlmpe_local_gen"]["exact_match,none"] == 1.0
+    handled = [json.loads((tmp_path / f"handled{r}.json").read_text()) for r in range(2)]
+    assert sum(h["loglikelihood"] for h in handled) == 3 * n_mc
+    assert sum(h["generate_until"] for h in handled) == n_gen
+    assert all(h["loglikelihood"] > 0 and h["generate_until"] > 0 for h in handled)
+
+
+def test_adapter_truncates_long_contexts_from_the_left(echo, monkeypatch):
+    from mdlmpe_ds.evaluation import lm_eval_adapter
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    seen = []
+    monkeypatch.setattr(
+        lm_eval_adapter, "conditional_elbo", lambda model, ctx, cont, *a: seen.append((ctx, cont)) or -1.0
+    )
+    lm = lm_eval_adapter.MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), max_length=8)
+    lm.loglikelihood([Req("abcdefgh", " xy"), Req("ab", " xy")])
+    assert seen == [([ord(c) for c in "defgh"], [ord(c) for c in " xy"]), ([97, 98], [ord(c) for c in " xy"])]
+    with pytest.raises(ValueError, match="does not fit"):
+        lm.loglikelihood([Req("a", " " + "x" * 8)])
+
+
+def test_rolling_loglikelihood_scores_every_token_once(echo, monkeypatch):
+    from mdlmpe_ds.evaluation import lm_eval_adapter
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    windows = []
+
+    def fake_elbo(model, ctx, cont, *a):
+        windows.append((list(ctx), list(cont)))
+        return -float(len(cont))
+
+    monkeypatch.setattr(lm_eval_adapter, "conditional_elbo", fake_elbo)
+    lm = lm_eval_adapter.MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), max_length=4)
+    text = "abcdefghij"
+    assert lm.loglikelihood_rolling([Req(text)]) == [-10.0]
+    assert [t for _, cont in windows for t in cont] == [ord(c) for c in text]  # each token once, in order
+    assert windows[0][0] == [echo.config.eos_token_id]  # the first window is conditioned on the prefix
+    assert all(len(ctx) + len(cont) <= 4 for ctx, cont in windows)

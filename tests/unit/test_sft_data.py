@@ -1,0 +1,405 @@
+"""SFT data: chat templates, tokenisation boundaries, truncation, malformed rows, collation.
+
+Tokenizers are tiny byte-level BPEs trained here in well under a second, carrying the LLaDA or
+ChatML special tokens; byte-level decoding is exact, so decoded halves can be compared as strings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from mdlmpe_ds.data.chat_templates import render_chatml, render_llada, template_for
+from mdlmpe_ds.data.sft import (
+    SFTCollator,
+    SFTDataError,
+    SFTExample,
+    build_sft_dataset,
+    eos_pad_id,
+)
+
+CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "Write a haiku about rain. Soft rain on the roof, the garden drinks slowly.",
+    "Hello there, how are you today? I am fine, thank you for asking!",
+    "Explain photosynthesis in one sentence. Plants turn light, water and air into sugar.",
+] * 4
+
+LLADA_SPECIALS = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+QWEN_LIKE_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- set loop_messages = messages %}"
+    "{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tokenizer(path, specials, bos=None, chat_template=None):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=bos
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def llada_tok(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("llada_tok"), LLADA_SPECIALS, bos="<|startoftext|>")
+
+
+@pytest.fixture(scope="module")
+def chatml_tok(tmp_path_factory):
+    return _tokenizer(
+        tmp_path_factory.mktemp("chatml_tok"), CHATML_SPECIALS, chat_template=QWEN_LIKE_TEMPLATE
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("plain_tok"), ["<|endoftext|>"])
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+CONV = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": " The capital of France is Paris. "},
+]
+MULTI = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "I am fine"},
+    {"role": "user", "content": "Write a haiku about rain."},
+    {"role": "assistant", "content": "Soft rain on the roof"},
+]
+
+
+# ---------------------------------------------------------------------------------------------- templates
+
+
+def test_llada_template_exact_string():
+    assert render_llada(CONV[:1], add_generation_prompt=True) == (
+        "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of France?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render_llada(CONV) == (
+        "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of France?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nThe capital of France is Paris.<|eot_id|>"
+    )
+
+
+def test_chatml_template_exact_string():
+    assert render_chatml(CONV[:1], add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render_chatml([{"role": "system", "content": "Be brief."}, *CONV]) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n The capital of France is Paris. <|im_end|>\n"
+    )
+
+
+def test_template_for_choice(llada_tok, chatml_tok, plain_tok, caplog):
+    assert template_for("llada", llada_tok).name == "llada"
+    assert template_for("dream", chatml_tok).name == "chatml"
+    # A LLaDA-family model with a ChatML tokenizer (the embedded demo): the tokenizer's own template.
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.chat_templates"):
+        chosen = template_for("llada", chatml_tok)
+    assert chosen.name == "tokenizer"
+    assert "tokenizer's own" in caplog.text
+    assert chosen.render(MULTI, False) == render_chatml(MULTI, False)
+    assert chosen.render(CONV[:1], True) == render_chatml(CONV[:1], True)
+    with pytest.raises(ValueError, match="lacks the family's special tokens"):
+        template_for("dream", plain_tok)
+    with pytest.raises(ValueError, match="unknown model family"):
+        template_for("gpt", llada_tok)
+
+
+# ---------------------------------------------------------------------------------------------- tokenisation
+
+
+def test_llada_boundaries(tmp_path, llada_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV, "id": "x"}])
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    assert (stats.rows, stats.examples, stats.truncated, stats.dropped, stats.skipped) == (1, 1, 0, 0, 0)
+    ex = ds[0]
+    assert _decode(llada_tok, ex.input_ids[: ex.prompt_len]) == render_llada(
+        CONV[:1], add_generation_prompt=True
+    )
+    assert _decode(llada_tok, ex.input_ids[ex.prompt_len :]) == "The capital of France is Paris.<|eot_id|>"
+    assert ex.input_ids[0] == llada_tok.convert_tokens_to_ids("<|startoftext|>")  # BOS once, not doubled
+    assert ex.input_ids[1] == llada_tok.convert_tokens_to_ids("<|start_header_id|>")
+    assert ds.lengths.tolist() == [len(ex.input_ids)]
+
+
+def test_dream_boundaries_response_plus_eos(tmp_path, chatml_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}])
+    ds, _ = build_sft_dataset(src, chatml_tok, "dream", max_len=512)
+    ex = ds[0]
+    assert _decode(chatml_tok, ex.input_ids[: ex.prompt_len]) == render_chatml(CONV[:1], True)
+    assert (
+        _decode(chatml_tok, ex.input_ids[ex.prompt_len :]) == " The capital of France is Paris. <|endoftext|>"
+    )
+    # response_end="turn": the template's end of turn instead of EOS.
+    ds, _ = build_sft_dataset(src, chatml_tok, "dream", max_len=512, response_end="turn")
+    ex = ds[0]
+    assert (
+        _decode(chatml_tok, ex.input_ids[ex.prompt_len :]) == " The capital of France is Paris. <|im_end|>\n"
+    )
+
+
+def test_multiturn_last_and_expand(tmp_path, llada_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI}])
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    assert stats.examples == 1
+    ex = ds[0]
+    assert _decode(llada_tok, ex.input_ids[: ex.prompt_len]) == render_llada(MULTI[:-1], True)
+    assert _decode(llada_tok, ex.input_ids[ex.prompt_len :]) == "Soft rain on the roof<|eot_id|>"
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, multiturn="expand")
+    assert stats.examples == 2
+    first = ds[0]
+    assert _decode(llada_tok, first.input_ids[: first.prompt_len]) == render_llada(MULTI[:2], True)
+    assert _decode(llada_tok, first.input_ids[first.prompt_len :]) == "I am fine<|eot_id|>"
+    assert ds[1].input_ids == ex.input_ids
+
+
+def test_prompt_response_rows_and_json_list(tmp_path, llada_tok):
+    rows = [
+        {"prompt": "Hello there", "response": "I am fine"},
+        {"prompt": "Hello there", "response": "I am fine", "system": "Be brief."},
+    ]
+    src = tmp_path / "d.json"
+    src.write_text(json.dumps(rows))
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    assert stats.examples == 2
+    user = [{"role": "user", "content": "Hello there"}]
+    assert _decode(llada_tok, ds[0].input_ids[: ds[0].prompt_len]) == render_llada(user, True)
+    system = [{"role": "system", "content": "Be brief."}, *user]
+    assert _decode(llada_tok, ds[1].input_ids[: ds[1].prompt_len]) == render_llada(system, True)
+
+
+def test_parquet_source(tmp_path, llada_tok):
+    import datasets
+
+    src = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"messages": CONV}, {"messages": MULTI}]).to_parquet(str(src))
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, max_rows=1)
+    assert (stats.rows, stats.examples) == (1, 1)
+    assert (
+        _decode(llada_tok, ds[0].input_ids[ds[0].prompt_len :]) == "The capital of France is Paris.<|eot_id|>"
+    )
+
+
+def test_truncation_and_drop_counts(tmp_path, llada_tok):
+    long_answer = "Soft rain on the roof, the garden drinks slowly. " * 20
+    long_prompt = "Explain photosynthesis in one sentence. " * 40
+    rows = [
+        {"messages": CONV},  # fits
+        {"messages": [CONV[0], {"role": "assistant", "content": long_answer}]},  # truncated
+        {"messages": [{"role": "user", "content": long_prompt}, CONV[1]]},  # prompt alone too long
+    ]
+    src = _write_jsonl(tmp_path / "d.jsonl", rows)
+    max_len = 64
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=max_len)
+    assert (stats.rows, stats.examples, stats.truncated, stats.dropped) == (3, 2, 1, 0 + 1)
+    assert max(ds.lengths) == max_len
+    full = llada_tok(long_answer.strip() + "<|eot_id|>", add_special_tokens=False)["input_ids"]
+    kept = ds[1].input_ids[ds[1].prompt_len :]
+    assert kept == full[: len(kept)] and len(kept) == max_len - ds[1].prompt_len
+    _, stats = build_sft_dataset(src, llada_tok, "llada", max_len=max_len, overlong="drop")
+    assert (stats.examples, stats.truncated, stats.dropped) == (1, 0, 2)
+
+
+def test_prompt_exactly_max_len_is_dropped(tmp_path, llada_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}])
+    ds, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    prompt_len = ds[0].prompt_len
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=prompt_len + 1)
+    assert (stats.examples, stats.truncated, stats.dropped) == (1, 1, 0)
+    assert len(ds[0].input_ids) == prompt_len + 1  # one response token is enough to keep it
+    _, stats = build_sft_dataset(src, llada_tok, "llada", max_len=prompt_len)
+    assert (stats.examples, stats.dropped) == (0, 1)
+
+
+MALFORMED = [
+    ({"conversation": []}, "neither 'messages' nor 'prompt'/'response'"),
+    ({"messages": [{"role": "human", "content": "hi"}, CONV[1]]}, "unknown role 'human'"),
+    ({"messages": [CONV[0], {"role": "assistant", "content": "   "}]}, r"message 1 \(assistant\) is empty"),
+    ({"messages": [CONV[0], CONV[1], CONV[0]]}, "last message is 'user'"),
+    ({"messages": [{"role": "user"}, CONV[1]]}, r"message 0 \(user\) has no 'content'"),
+    ({"messages": [{"content": "hi"}, CONV[1]]}, "message 0 has no 'role'"),
+    ({"messages": []}, "'messages' is empty"),
+    ({"prompt": "hi", "response": ""}, "'response' is empty"),
+]
+
+
+@pytest.mark.parametrize(("bad", "reason"), MALFORMED)
+def test_malformed_row_names_file_and_row(tmp_path, llada_tok, bad, reason):
+    src = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONV}, {"messages": MULTI}, bad])
+    with pytest.raises(SFTDataError, match=rf"bad\.jsonl: row 2: .*{reason}"):
+        build_sft_dataset(src, llada_tok, "llada", max_len=512)
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ({"messages": [{"role": "user", "content": 5}, CONV[1]]}, r"message 0 \(user\) content is int"),
+        ({"messages": "hello"}, "'messages' is str, expected a list"),
+        ({"prompt": ["a"], "response": "b"}, "'prompt' is list"),
+    ],
+)
+def test_wrong_types_name_file_and_row(tmp_path, llada_tok, bad, reason):
+    src = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONV}, bad, {"messages": MULTI}])
+    with pytest.raises(SFTDataError, match=rf"bad\.jsonl: row 1: .*{reason}"):
+        build_sft_dataset(src, llada_tok, "llada", max_len=512)
+
+
+def test_invalid_json_line_names_row_and_line(tmp_path, llada_tok):
+    src = tmp_path / "broken.jsonl"
+    src.write_text(json.dumps({"messages": CONV}) + "\n\n" + '{"messages": [{"role": "user",\n')
+    with pytest.raises(SFTDataError, match=r"broken\.jsonl: row 1 \(line 3\) is not valid JSON"):
+        build_sft_dataset(src, llada_tok, "llada", max_len=512)
+
+
+def test_skip_malformed_counts(tmp_path, llada_tok):
+    rows = [{"messages": CONV}, MALFORMED[1][0], {"messages": MULTI}, MALFORMED[1][0], MALFORMED[2][0]]
+    src = _write_jsonl(tmp_path / "d.jsonl", rows)
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, skip_malformed=True)
+    assert (stats.rows, stats.skipped, stats.examples, len(ds)) == (5, 3, 2, 2)
+    assert sorted(stats.skip_reasons.values()) == [1, 2]
+
+
+def test_missing_file(tmp_path, llada_tok):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+        build_sft_dataset(missing, llada_tok, "llada", max_len=512)
+
+
+# ---------------------------------------------------------------------------------------------- collation
+
+
+def test_collator_shapes_and_masks():
+    batch = [SFTExample([5, 6, 7, 8, 9], 2), SFTExample([5, 6, 7], 1)]
+    out = SFTCollator(pad_id=0, pad_to_multiple_of=4)(batch)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 0, 0, 0, 0, 0]]
+    assert out["prompt_mask"].int().tolist() == [[1, 1, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]
+    assert out["maskable"].int().tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert out["valid"].all()
+    assert out["answer_len"].tolist() == [6, 7]  # response + EOS pads (LLaDA's normaliser)
+    assert out["seq_len"].tolist() == [5, 3]
+    assert not (out["prompt_mask"] & out["maskable"]).any()
+
+    out = SFTCollator(pad_id=0, attend_padding=False)(batch)
+    assert out["input_ids"].shape == (2, 5)
+    assert out["valid"].int().tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert out["maskable"].int().tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]]
+    assert out["answer_len"].tolist() == [3, 2]
+
+    assert SFTCollator(pad_id=0, max_len=6, pad_to_multiple_of=4)(batch)["input_ids"].shape == (2, 6)
+    with pytest.raises(ValueError, match="max_len 4"):
+        SFTCollator(pad_id=0, max_len=4)(batch)
+    with pytest.raises(ValueError, match="leaves no response"):
+        SFTCollator(pad_id=0)([SFTExample([1, 2], 2)])
+
+
+def test_collate_real_examples_pads_with_eos(tmp_path, llada_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}, {"messages": MULTI}])
+    ds, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    eos = eos_pad_id(llada_tok)
+    out = SFTCollator(eos)([ds[0], ds[1]])
+    short = int(torch.argmin(out["seq_len"]))
+    n = int(out["seq_len"][short])
+    assert (out["input_ids"][short, n:] == eos).all() and n < out["input_ids"].shape[1]
+    assert int(out["prompt_mask"][short].sum()) == ds[short].prompt_len
+
+
+# ---------------------------------------------------------------------------------------------- real data
+
+
+def test_real_qwen_tokenizer_and_chat_corpus(qwen_tokenizer_dir, chat_jsonl):
+    """The embedded demo's combination: Qwen2.5 tokenizer, chatterbot dialogues, both families."""
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    with open(chat_jsonl, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f.readlines()[:40]]
+    for family, end in (("llada", "<|im_end|>\n"), ("dream", "<|endoftext|>")):
+        ds, stats = build_sft_dataset(chat_jsonl, tok, family, max_len=256, max_rows=40)
+        assert (stats.rows, stats.skipped) == (40, 0) and stats.examples + stats.dropped == 40
+        ex = ds[0]
+        messages = rows[0]["messages"]
+        assert ex.input_ids[: ex.prompt_len] == tok(render_chatml(messages[:-1], True))["input_ids"]
+        assert ex.input_ids[:3] == [151644, 8948, 198]  # <|im_start|> system \n
+        assert ex.input_ids[ex.prompt_len - 3 : ex.prompt_len] == [
+            151644,
+            77091,
+            198,
+        ]  # <|im_start|>assistant\n
+        assert _decode(tok, ex.input_ids[ex.prompt_len :]) == messages[-1]["content"] + end
+    assert eos_pad_id(tok) == 151643
+
+
+def test_multiturn_sample_is_one_turn_fixed_by_seed(tmp_path, llada_tok):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI}] * 16)
+    expand, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, multiturn="expand")
+    candidates = {tuple(expand[0].input_ids), tuple(expand[1].input_ids)}
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, multiturn="sample", seed=3)
+    again, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, multiturn="sample", seed=3)
+    other, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, multiturn="sample", seed=4)
+    picks = [tuple(ds[i].input_ids) for i in range(len(ds))]
+    assert stats.examples == 16 and set(picks) == candidates  # one per dialogue, both turns drawn
+    assert picks == [tuple(again[i].input_ids) for i in range(16)]
+    assert picks != [tuple(other[i].input_ids) for i in range(16)]
+
+
+def test_cache_roundtrip_and_invalidation(tmp_path, llada_tok, caplog):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}, {"messages": MULTI}, MALFORMED[1][0]])
+    cache = tmp_path / "cache"
+    kw = {"max_len": 512, "skip_malformed": True, "cache_dir": cache}
+    built, stats = build_sft_dataset(src, llada_tok, "llada", **kw)
+    assert len(list(cache.glob("sft-*.npz"))) == 1
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft"):
+        loaded, loaded_stats = build_sft_dataset(src, llada_tok, "llada", **kw)
+    assert "loaded from cache" in caplog.text
+    assert loaded_stats == stats and loaded_stats.skipped == 1
+    assert [loaded[i] for i in range(len(loaded))] == [built[i] for i in range(len(built))]
+    assert loaded.lengths.tolist() == built.lengths.tolist()
+    build_sft_dataset(src, llada_tok, "llada", **{**kw, "max_len": 64})  # other settings: other file
+    assert len(list(cache.glob("sft-*.npz"))) == 2
+    _write_jsonl(src, [{"messages": CONV}, {"messages": CONV}])  # the source changed: rebuilt
+    rebuilt, _ = build_sft_dataset(src, llada_tok, "llada", **kw)
+    assert rebuilt[1] == rebuilt[0] and len(list(cache.glob("sft-*.npz"))) == 3

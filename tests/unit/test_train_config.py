@@ -1,0 +1,173 @@
+"""Training config parsing/validation, ds-config batch arithmetic, checkpoint discovery, and the
+fail-fast paths of `launch/sft.py` (dry runs: no process group, the model on the meta device)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds.config import RunConfig, build_config
+from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+from sft_fixtures import make_chat, make_tokenizer  # noqa: E402
+
+
+# ------------------------------------------------------------------ config
+def test_cli_and_file_overrides(tmp_path):
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps({"optim": {"lr": 2e-5}, "train.grad_accum": 4, "max_len": 256}))
+    run = build_config(
+        str(cfg_file), ["--lr", "1e-5", "--model.mdlmpe", '{"tau_max": 0.2}', "--head_schedule=false"]
+    )
+    assert run.optim.lr == 1e-5  # command line beats the file
+    assert run.train.grad_accum == 4 and run.data.max_len == 256
+    assert run.model.mdlmpe == {"tau_max": 0.2} and run.train.head_schedule is False
+    assert RunConfig.from_dict(run.to_dict()).to_dict() == run.to_dict()
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown key 'learning_rate'.*optim\.lr"):
+        build_config(None, ["--learning_rate", "1"])
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match=r"train\.micro_batch_size=0"):
+        build_config(None, ["--micro_batch_size", "0"])
+    with pytest.raises(ValueError, match=r"bad value 'x' for optim\.lr"):
+        build_config(None, ["--lr", "x"])
+    with pytest.raises(ValueError, match=r"train\.loss='bert'"):
+        build_config(None, ["--loss", "bert"])
+
+
+def test_warmup_cosine_shape():
+    f = warmup_cosine(warmup=2, total=10, cosine=True, min_ratio=0.1)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(2, 10))
+
+
+# ------------------------------------------------------------------ ds config arithmetic
+def test_ds_config_batch_mismatch_names_both(tmp_path):
+    run = build_config(None, ["--micro_batch_size", "8"])
+    with pytest.raises(ValueError, match=r"zero3\.json sets train_micro_batch_size_per_gpu=4 .* = 8"):
+        prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=2)
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match=r"train_batch_size=16 .* world size 2 = 8"):
+        prepare_ds_config(bad, build_config(None, []), world=2)
+
+
+def test_ds_config_auto_filled_and_cpu_traps():
+    run = build_config(None, ["--micro_batch_size", "3", "--grad_accum", "2"])
+    ds = prepare_ds_config(REPO / "ds_configs" / "zero3_cpu_test.json", run, world=2)
+    assert (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["train_batch_size"],
+    ) == (3, 2, 12)
+    assert (
+        ds["optimizer"]["params"]["lr"] == run.lr == 3e-3 and ds["optimizer"]["params"]["torch_adam"] is True
+    )
+    ds = prepare_ds_config(REPO / "ds_configs" / "zero3.json", build_config(None, []), world=2)
+    assert ds["bf16"]["enabled"] is False  # precision auto: fp32 on a CPU-only machine
+
+
+# ------------------------------------------------------------------ checkpoint discovery
+def test_resume_auto_ignores_incomplete(tmp_path):
+    for step, complete in ((2, True), (4, True), (6, False)):
+        d = ckpt.step_dir(tmp_path, step)
+        d.mkdir(parents=True)
+        if complete:
+            ckpt.mark_complete(d)
+    (ckpt.checkpoints_root(tmp_path) / "latest").write_text("step_000006\n")  # stale hint
+    assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
+    with pytest.raises(ValueError, match="no COMPLETE marker"):
+        ckpt.resolve_resume(str(ckpt.step_dir(tmp_path, 6)), tmp_path)
+    removed = ckpt.prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in removed) == ["step_000002"]  # incomplete step 6 is newer: kept
+    assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
+
+
+# ------------------------------------------------------------------ fail fast (dry runs)
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return make_tokenizer(root / "tok"), make_chat(root / "chat.jsonl", rows=16)
+
+
+def _dry(args, tmp_path):
+    from mdlmpe_ds.trainer import run_sft
+
+    run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
+    return run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume=None, dry_run=True)
+
+
+def test_dry_run_plan(fixture_data, tmp_path, capsys):
+    tok, chat = fixture_data
+    result = _dry(
+        ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "5"], tmp_path
+    )
+    assert result["total_updates"] == 5 and result["params"]["mdlmpe"] > 0
+    assert "sequences per update" in capsys.readouterr().out
+
+
+def test_missing_dataset_file(fixture_data, tmp_path):
+    tok, _ = fixture_data
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+        _dry(["--tokenizer", str(tok), "--dataset", str(tmp_path / "nope.jsonl")], tmp_path)
+
+
+def test_malformed_row_names_file_and_row(fixture_data, tmp_path):
+    tok, chat = fixture_data
+    bad = tmp_path / "bad.jsonl"
+    lines = chat.read_text().splitlines()
+    lines[3] = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}
+    )
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl.*row 3"):
+        _dry(["--tokenizer", str(tok), "--dataset", str(bad)], tmp_path)
+
+
+def test_checkpoint_from_another_model(fixture_data, tmp_path):
+    from mdlmpe_ds.trainer import run_sft
+
+    tok, chat = fixture_data
+    out = tmp_path / "out"
+    d = ckpt.step_dir(out, 4)
+    d.mkdir(parents=True)
+    other = {"family": "dream", "hidden_size": 999}
+    ckpt.write_meta(d, 4, 2, {}, other, "")
+    ckpt.mark_complete(d)
+    run = build_config(None, ["--tokenizer", str(tok), "--dataset", str(chat), "--output_dir", str(out)])
+    with pytest.raises(ValueError, match=r"(?s)from another model.*hidden_size: checkpoint 999"):
+        run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume="auto", dry_run=True)
+
+
+def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
+    """A real LLaDA/Dream directory (max length 4096 / 131072) fine-tuned at data.max_len: the model
+    config and MDLMPE's L_ref must both follow the run, or validation rejects every real checkpoint."""
+    import dataclasses
+
+    from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.models.transformer import DiffusionLM
+    from mdlmpe_ds.trainer import model_config_for
+
+    tiny = preset("llada-tiny")
+    base = dataclasses.replace(
+        tiny, max_seq_len=4096, mdlmpe=dataclasses.replace(tiny.mdlmpe, max_seq_len=4096)
+    )
+    save_pretrained(DiffusionLM(base), tmp_path, base)
+    run = build_config(
+        None, ["--model_name_or_path", str(tmp_path), "--max_len", "64", "--position_encoding", "mdlmpe"]
+    )
+    cfg = model_config_for(run, tokenizer=None)
+    assert cfg.max_seq_len == 64 and cfg.mdlmpe.max_seq_len == 64
+    assert cfg.position_encoding == "mdlmpe" and cfg.family == "llada"
