@@ -104,6 +104,11 @@ class TrainConfig:
     dream_weighting: str = "original"
     cart_p: float = 0.1
     noise_eps: float = 1e-3
+    # Block-diffusion SFT (paper §3.4, §4.4): one active response block per example, earlier blocks
+    # clean, later blocks masked ("full") or hidden from attention and availability ("blocked").
+    # None trains on the whole response at once.
+    block_size: int | None = None
+    block_context: str = "full"
     head_schedule: bool = True
     max_consecutive_nonfinite: int = 3
     # "auto": the ds config's precision on GPU, fp32 on a CPU-only machine (bf16 there is slow).
@@ -165,6 +170,10 @@ class RunConfig:
             raise bad("train.cart_p", t.cart_p, "must be in (0, 1)")
         if not 0 < t.noise_eps < 1:
             raise bad("train.noise_eps", t.noise_eps, "must be in (0, 1)")
+        if t.block_size is not None and t.block_size < 1:
+            raise bad("train.block_size", t.block_size, "must be >= 1 or null")
+        if t.block_context not in ("full", "blocked"):
+            raise bad("train.block_context", t.block_context, "must be one of ('full', 'blocked')")
         if t.max_consecutive_nonfinite < 1:
             raise bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
         if t.precision not in PRECISIONS:

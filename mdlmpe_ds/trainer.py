@@ -134,10 +134,12 @@ class SFTTrainer:
         resume_from: Path | None,
         tokenizer_dir: str = "",
     ) -> None:
+        from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
         from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
         from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_sft_loss
 
         self._corrupt, self._noise_generator = corrupt, noise_generator
+        self._block_corrupt = block_sft_corrupt
         self._llada_loss, self._dream_loss = llada_sft_loss, dream_sft_loss
         self.run, self.engine, self.model_config = run, engine, model_config
         self.dataset, self.sampler, self.collator = dataset, sampler, collator
@@ -180,24 +182,35 @@ class SFTTrainer:
         t = self.run.train
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         gen = self._noise_generator(t.seed, self.rank, self.state.micro_step)
-        noisy = self._corrupt(
-            batch["input_ids"], batch["maskable"], self.model_config.mask_token_id, gen, eps=t.noise_eps
-        )
-        logits = self.engine(noisy.noisy_ids, valid=batch["valid"])  # [B, L, V]
-        if self.loss_family == "llada":
-            loss, stats = self._llada_loss(
-                logits, batch["input_ids"], noisy.masked, noisy.p_mask, batch["answer_len"]
+        mask_id = self.model_config.mask_token_id
+        if t.block_size is None:
+            noisy = self._corrupt(batch["input_ids"], batch["maskable"], mask_id, gen, eps=t.noise_eps)
+            ids, valid, masked, answer_len = (
+                noisy.noisy_ids,
+                batch["valid"],
+                noisy.masked,
+                batch["answer_len"],
             )
+        else:
+            # One active block per example; the loss covers its masked tokens, normalised by its length.
+            noisy = self._block_corrupt(
+                batch["input_ids"], batch["prompt_mask"], batch["maskable"], batch["valid"],
+                t.block_size, t.block_context, mask_id, gen, eps=t.noise_eps,
+            )  # fmt: skip
+            ids, valid, masked, answer_len = noisy.noisy_ids, noisy.valid, noisy.loss_mask, noisy.block_len
+        logits = self.engine(ids, valid=valid)  # [B, L, V]
+        if self.loss_family == "llada":
+            loss, stats = self._llada_loss(logits, batch["input_ids"], masked, noisy.p_mask, answer_len)
         else:
             loss, stats = self._dream_loss(
                 logits,
                 batch["input_ids"],
-                noisy.masked,
+                masked,
                 noisy.t,
-                batch["maskable"],
+                batch["maskable"] & valid,
                 weighting=t.dream_weighting,
                 cart_p=t.cart_p,
-                valid=batch["valid"],
+                valid=valid,
             )
         if nan:
             loss = loss * float("nan")
@@ -255,6 +268,7 @@ class SFTTrainer:
         sums, counts = reduced[3 : 3 + T_BUCKETS], reduced[3 + T_BUCKETS :]
         # unweighted per-token CE of the masked tokens (the loss itself carries 1/p weights)
         out["train/nll"] = sum(sums) / max(sum(counts), 1.0)
+        out["train/masked_tokens"] = sum(counts)  # loss positions of this update, all ranks
         for b in range(T_BUCKETS):
             if counts[b] > 0:
                 # unweighted per-token NLL of the masked tokens whose row has t in this bucket
