@@ -154,4 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if "LOCAL_RANK" in os.environ:  # a worker under torchrun / the deepspeed launcher
+        from mdlmpe_ds.engine import exit_after_teardown
+
+        exit_after_teardown(exit_code)  # everything is written; skip gloo's racy C++ teardown
+    sys.exit(exit_code)

@@ -14,10 +14,11 @@ import copy
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,22 @@ def distributed_session(timeout_min: float) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def exit_after_teardown(code: int) -> NoReturn:
+    """End a distributed worker process with ``code`` once its process group is torn down.
+
+    gloo can still abort the interpreter's final C++ teardown ("terminate called without an active
+    exception", SIGABRT) after a run that succeeded and destroyed its process group; torchrun then
+    reports the whole job as failed. Flushing and leaving through ``os._exit`` skips those static
+    destructors, so the exit code is the run's own. Call it only after every checkpoint, event file
+    and log has been written and closed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def rank() -> int:

@@ -306,3 +306,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    if "LOCAL_RANK" in os.environ:  # a torchrun worker: tear down the process group, then exit cleanly
+        from mdlmpe_ds.engine import exit_after_teardown
+
+        exit_after_teardown(0)
