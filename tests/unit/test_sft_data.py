@@ -22,6 +22,7 @@ from mdlmpe_ds.data.sft import (
     build_sft_dataset,
     eos_pad_id,
 )
+from mdlmpe_ds.data.tokenizers import QWEN25_CHAT_TEMPLATE
 
 CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
@@ -38,19 +39,6 @@ LLADA_SPECIALS = [
     "<|eot_id|>",
 ]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-QWEN_LIKE_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- set loop_messages = messages %}"
-    "{%- endif %}"
-    "{%- for message in loop_messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def _tokenizer(path, specials, bos=None, chat_template=None):
@@ -78,7 +66,7 @@ def llada_tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chatml_tok(tmp_path_factory):
     return _tokenizer(
-        tmp_path_factory.mktemp("chatml_tok"), CHATML_SPECIALS, chat_template=QWEN_LIKE_TEMPLATE
+        tmp_path_factory.mktemp("chatml_tok"), CHATML_SPECIALS, chat_template=QWEN25_CHAT_TEMPLATE
     )
 
 
