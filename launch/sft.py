@@ -6,8 +6,8 @@ prepared offline; 2 CPU ranks; a few minutes)::
     deepspeed launch/sft.py --deepspeed ds_configs/zero3.json
 
 On a CPU-only machine the `deepspeed` launcher starts one rank (one "device"); this script then
-re-launches itself with 2 ranks under torchrun (set MDLMPE_DS_CPU_RANKS=1 to keep one). It runs
-under `torchrun --nproc_per_node N launch/sft.py ...` as well.
+re-launches itself with 2 ranks under torchrun (set MDLMPE_DS_CPU_RANKS=1 to keep one; see
+mdlmpe_ds/launching.py). It runs under `torchrun --nproc_per_node N launch/sft.py ...` as well.
 
 A real model on a GPU node (bf16; batch sizes must agree with the ds config, or set them "auto")::
 
@@ -24,104 +24,21 @@ is `--section.key VALUE` or `--key VALUE` (see mdlmpe_ds/config.py).
 
 from __future__ import annotations
 
-import argparse
-import os
 import shlex
-import socket
-import subprocess
 import sys
-import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CPU_RANKS_ENV = "MDLMPE_DS_CPU_RANKS"
-_LAUNCHER_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "LOCAL_SIZE",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "CUDA_VISIBLE_DEVICES",
-)
-
-
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
-    parser.add_argument(
-        "--deepspeed", default=str(REPO / "ds_configs" / "zero3.json"), help="DeepSpeed JSON config"
-    )
-    parser.add_argument(
-        "--local_rank",
-        "--local-rank",
-        type=int,
-        default=None,
-        help="set by launchers; ignored (the environment's LOCAL_RANK is the source of truth)",
-    )
-    parser.add_argument("--config", default=None, help="training config file (.json/.yaml)")
-    parser.add_argument("--dry-run", "--dry_run", action="store_true", dest="dry_run")
-    parser.add_argument("--resume", default=None, help="'auto' or a checkpoint directory")
-    return parser.parse_known_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _should_relaunch(args: argparse.Namespace) -> int:
-    """Ranks to re-launch with (0 = run here): CPU-only, a single rank, not a dry run."""
-    import torch
-
-    if args.dry_run or torch.cuda.is_available():
-        return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        return 0
-    ranks = int(os.environ.get(CPU_RANKS_ENV, "2"))
-    return ranks if ranks > 1 else 0
-
-
-def relaunch(ranks: int, argv: list[str]) -> int:
-    """Run this script again under torchrun with `ranks` CPU processes; returns their exit code."""
-    forwarded = [a for a in argv if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env[CPU_RANKS_ENV] = "1"  # the children must not relaunch again
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        f"--master_port={_free_port()}",
-        str(Path(__file__).resolve()),
-        *forwarded,
-    ]
-    print(
-        f"[launch/sft.py] CPU-only machine and 1 rank: re-launching with {ranks} ranks:\n  {shlex.join(cmd)}",
-        flush=True,
-    )
-    return subprocess.call(cmd, env=env)
+from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ranks = _should_relaunch(args)
+    args, rest = launching.base_parser(__doc__.split("\n\n")[0]).parse_known_args(argv)
+    launching.prepare_process()
+    ranks = launching.ranks_to_relaunch(args.dry_run)
     if ranks:
-        return relaunch(ranks, argv)
+        return launching.relaunch(__file__, ranks, argv)
 
-    # DeepSpeed 0.19 calls torch.distributed APIs that torch 2.13 marks deprecated, once per step.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     from mdlmpe_ds import engine
     from mdlmpe_ds.config import build_config
     from mdlmpe_ds.trainer import NonFiniteError, run_sft
@@ -154,9 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    if "LOCAL_RANK" in os.environ:  # a worker under torchrun / the deepspeed launcher
-        from mdlmpe_ds.engine import exit_after_teardown
-
-        exit_after_teardown(exit_code)  # everything is written; skip gloo's racy C++ teardown
-    sys.exit(exit_code)
+    launching.exit_process(main())

@@ -1,4 +1,4 @@
-"""Typed training configuration for SFT runs: model choice, data, optimisation, training loop.
+"""Typed training configuration for SFT and pretraining runs: model choice, data, optimisation, loop.
 
 One `RunConfig` (four sections) is built from dataclass defaults (the embedded CPU demo), then an
 optional `--config file.json|yaml`, then `--key value` command-line overrides, and is validated
@@ -24,6 +24,7 @@ LOSS_FAMILIES = ("auto", "llada", "dream")
 DREAM_WEIGHTINGS = ("original", "cart", "linear", "none")
 PRECISIONS = ("auto", "fp32", "bf16")
 MULTITURN = ("last", "expand")
+TEXT_SPLITS = ("file", "paragraph", "line")
 
 
 @dataclass
@@ -60,6 +61,19 @@ class DataConfig:
     multiturn: str = "last"
     # Mark EOS padding invalid (not attended, not in the loss) instead of the official convention.
     attend_padding: bool = True
+    # ---- pretraining only (launch/pretrain.py; SFT ignores these) ----
+    # `dataset` is then a text corpus: a named one of data/corpora.py ("shakespeare", "ptb", ...),
+    # local .txt files (comma-separated, or a directory), a local .jsonl/.parquet file or a hub
+    # corpus with a `text_column`. `max_len` is the packed sequence length.
+    # How a .txt file is cut into documents: "file", "paragraph" or "line"; None = the named
+    # corpus's own convention ("file" for unnamed files).
+    text_split: str | None = None
+    text_column: str = "text"
+    max_documents: int | None = None
+    # Held-out corpus for the validation perplexity logged during pretraining (same forms as `dataset`).
+    validation: str | None = None
+    # SentencePiece BPE size when no `tokenizer` is given: one is trained on the corpus and cached.
+    tokenizer_vocab: int = 4096
 
 
 @dataclass
@@ -115,6 +129,12 @@ class TrainConfig:
     precision: str = "auto"
     # Distributed timeout (minutes): a collective reached by one rank only fails instead of hanging.
     dist_timeout_min: float = 10.0
+    # Pretraining validation: diffusion-ELBO perplexity on the first `eval_sequences` packed sequences
+    # of data.validation, `eval_samples` (t, mask) draws each, every `eval_every` updates (0 = only at
+    # the end). The draws depend on (seed, sequence index, sample) only: every run sees the same masks.
+    eval_every: int = 0
+    eval_sequences: int = 16
+    eval_samples: int = 4
 
 
 @dataclass
@@ -180,6 +200,20 @@ class RunConfig:
             raise bad("train.precision", t.precision, f"must be one of {PRECISIONS}")
         if not t.dist_timeout_min > 0:
             raise bad("train.dist_timeout_min", t.dist_timeout_min, "must be > 0")
+        if d.text_split is not None and d.text_split not in TEXT_SPLITS:
+            raise bad("data.text_split", d.text_split, f"must be one of {TEXT_SPLITS} or null")
+        if d.max_documents is not None and d.max_documents < 1:
+            raise bad("data.max_documents", d.max_documents, "must be >= 1 or null")
+        if d.tokenizer_vocab < 300:
+            raise bad("data.tokenizer_vocab", d.tokenizer_vocab, "must be >= 300 (byte fallback uses 261)")
+        if t.eval_every < 0:
+            raise bad("train.eval_every", t.eval_every, "must be >= 0")
+        if t.eval_sequences < 1 or t.eval_samples < 2:
+            raise bad(
+                "train.eval_sequences/eval_samples",
+                (t.eval_sequences, t.eval_samples),
+                "need >= 1 sequence and >= 2 samples (for a standard error)",
+            )
         return self
 
     @property
@@ -345,9 +379,14 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
     return out
 
 
-def build_config(config_file: str | None, cli_tokens: list[str]) -> RunConfig:
-    """Defaults <- config file <- command line, then validate()."""
+def build_config(
+    config_file: str | None, cli_tokens: list[str], defaults: dict[str, Any] | None = None
+) -> RunConfig:
+    """Dataclass defaults <- ``defaults`` (a launcher's own, e.g. pretraining's) <- config file <-
+    command line, then validate()."""
     config = RunConfig()
+    if defaults:
+        apply_overrides(config, flatten(defaults, "launcher defaults"), "launcher defaults")
     if config_file is not None:
         apply_overrides(config, load_config_file(config_file), str(config_file))
     apply_overrides(config, parse_overrides(cli_tokens), "command line")

@@ -14,6 +14,7 @@ import copy
 import json
 import math
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -50,6 +51,15 @@ def distributed_session(timeout_min: float) -> Iterator[None]:
     hanging 30 min), and destroy_process_group in a finally (avoids gloo's teardown abort)."""
     deepspeed = _deepspeed()
     backend = "gloo" if on_cpu() else "nccl"
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # A plain `python launch/...py` (one rank, no launcher): a one-process group on this host.
+        # Without these DeepSpeed falls back to MPI discovery, which needs mpi4py.
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -50,7 +50,7 @@ class Tracker(NullTracker):
         self.bar = tqdm(
             total=total_updates,
             initial=start_update,
-            desc="sft",
+            desc="train",
             unit="upd",
             dynamic_ncols=True,
             file=sys.stderr,

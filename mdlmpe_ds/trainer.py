@@ -22,6 +22,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,11 @@ class SFTTrainer:
                 out[f"nll_by_t/{b / T_BUCKETS:.1f}-{(b + 1) / T_BUCKETS:.1f}"] = sums[b] / counts[b]
         return out
 
+    def periodic_metrics(self, step: int) -> dict[str, float]:
+        """Extra scalars logged after update ``step`` (a subclass's validation); collective-safe:
+        called on every rank."""
+        return {}
+
     # ---------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:
         """Run to total_updates; returns a summary (per-update losses, lrs, fractions, paths)."""
@@ -293,6 +299,7 @@ class SFTTrainer:
                 step = self.state.step
                 if step % t.log_every == 0 or step == self.total_updates:
                     metrics.update(mdlmpe_stats(self.engine.module))
+                metrics.update(self.periodic_metrics(step))
                 self.tracker.scalars(step, metrics)
                 history.append(
                     {
@@ -554,6 +561,58 @@ def check_same_data_on_all_ranks(dataset, source: str) -> None:
         )
 
 
+def prepare_resume(resume: str | None, run: RunConfig, model_config, ds_config: dict) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run), checked against this model before any data
+    or engine work; a checkpoint of another world size switches the engine to its universal copy."""
+    resume_from = ckpt.resolve_resume(resume, run.train.output_dir)
+    if resume_from is None:
+        return None
+    saved = ckpt.read_saved_run(resume_from)
+    ckpt.check_same_model(saved, model_config.to_dict())
+    world = eng.world_size()
+    if saved.world_size != world:
+        if not (resume_from / ckpt.DS_UNIVERSAL_TAG).is_dir():
+            raise RuntimeError(eng.load_universal_instructions(resume_from, saved.world_size, world))
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        _log(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
+    return resume_from
+
+
+def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_examples: int, dry_run: bool):
+    """The model under ZeRO-3 (weights created partitioned, MDLMPE initialised, a pretrained
+    directory streamed in) and its DeepSpeed engine; logs the plan. Returns (engine, result) where a
+    dry run builds on the meta device only and returns (None, {plan, total_updates, params})."""
+    from mdlmpe_ds.models.transformer import DiffusionLM
+
+    torch.manual_seed(run.train.seed)  # same initial weights on every rank
+    model = eng.build_model(lambda: DiffusionLM(model_config), ds_config, meta=dry_run)
+    if not dry_run:
+        eng.init_mdlmpe_parameters(model)
+        if run.model.model_name_or_path is not None:
+            from mdlmpe_ds.models.hf_io import load_weights_into
+
+            load_weights_into(model, run.model.model_name_or_path, gathered=eng.gathered_factory())
+    params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
+    params["total"] = params["backbone"] + params["mdlmpe"]
+    plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    if dry_run:
+        _log("dry run (meta device, nothing allocated):\n" + plan)
+        return None, {"plan": plan, "total_updates": total, "params": params}
+    _log(plan)
+    return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
+
+
+def rank_zero_first(build: Callable[[], Any]) -> Any:
+    """``build()`` on rank 0, then on the others: `datasets` writes its Arrow cache (and we our
+    tokenizer cache) on first use, and ranks building it at the same time were seen to disagree."""
+    if eng.rank() == 0:
+        out = build()
+    eng.barrier()
+    if eng.rank() != 0:
+        out = build()
+    return out
+
+
 def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_run: bool = False) -> dict:
     """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
     (except dry runs, which build on the meta device and need no process group)."""
@@ -561,26 +620,17 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
 
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.data.sft import SFTCollator, build_sft_dataset, eos_pad_id
-    from mdlmpe_ds.models.transformer import DiffusionLM
 
     world, rank = eng.world_size(), eng.rank()
     t = run.train
-    resume_from = ckpt.resolve_resume(resume, t.output_dir)
     tok_dir, source = resolve_sources(run)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model_config = model_config_for(run, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    if resume_from is not None:  # fail fast, before any data or engine work
-        saved = ckpt.read_saved_run(resume_from)
-        ckpt.check_same_model(saved, model_config.to_dict())
-        if saved.world_size != world:
-            if not (resume_from / ckpt.DS_UNIVERSAL_TAG).is_dir():
-                raise RuntimeError(eng.load_universal_instructions(resume_from, saved.world_size, world))
-            ds_config.setdefault("checkpoint", {})["load_universal"] = True
-            _log(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
+    resume_from = prepare_resume(resume, run, model_config, ds_config)
 
-    def build():
-        return build_sft_dataset(
+    dataset, stats = rank_zero_first(
+        lambda: build_sft_dataset(
             source,
             tokenizer,
             model_config.family,
@@ -589,14 +639,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             skip_malformed=run.data.skip_malformed,
             multiturn=run.data.multiturn,
         )
-
-    # Rank 0 first: `datasets` writes its Arrow cache on first load, and ranks building it at the same
-    # time were seen to disagree about the data on a fresh cache.
-    if rank == 0:
-        dataset, stats = build()
-    eng.barrier()
-    if rank != 0:
-        dataset, stats = build()
+    )
     check_same_data_on_all_ranks(dataset, source)
     _log(f"data {source}: {stats.summary()}")
     if len(dataset) == 0:
@@ -607,26 +650,9 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     collator = SFTCollator(
         eos_pad_id(tokenizer), max_len=run.data.max_len, attend_padding=run.data.attend_padding
     )
-
-    torch.manual_seed(t.seed)  # same initial weights on every rank
-    if dry_run:
-        model = eng.build_model(lambda: DiffusionLM(model_config), ds_config, meta=True)
-        params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
-        params["total"] = params["backbone"] + params["mdlmpe"]
-        plan = describe_plan(run, model_config, world, total, len(dataset), params)
-        _log("dry run (meta device, nothing allocated):\n" + plan)
-        return {"plan": plan, "total_updates": total, "params": params}
-
-    model = eng.build_model(lambda: DiffusionLM(model_config), ds_config)
-    eng.init_mdlmpe_parameters(model)
-    if run.model.model_name_or_path is not None:
-        from mdlmpe_ds.models.hf_io import load_weights_into
-
-        load_weights_into(model, run.model.model_name_or_path, gathered=eng.gathered_factory())
-    params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
-    params["total"] = params["backbone"] + params["mdlmpe"]
-    _log(describe_plan(run, model_config, world, total, len(dataset), params))
-    engine = eng.initialize(model, ds_config, run, total)
+    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
+    if engine is None:
+        return built
     trainer = SFTTrainer(
         run, engine, model_config, dataset, sampler, collator, total, resume_from, str(tok_dir)
     )

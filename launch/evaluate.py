@@ -1,0 +1,77 @@
+"""Diffusion-ELBO perplexity of trained models on text corpora, as a markdown + JSON table.
+
+    python launch/evaluate.py outputs/pretrain-demo
+    python launch/evaluate.py runA/ runB/export --names rope mdlmpe \\
+        --corpora ptb enwiki-excerpt news-excerpt shakespeare-heldout --num_samples 8 --out results/ppl
+
+MODEL is an exported directory (config.json + safetensors + tokenizer) or a training run
+(output_dir, checkpoints/, a step directory: the newest complete ZeRO-3 checkpoint is consolidated
+in this process). Corpora are named offline corpora, local text files or hub datasets
+(mdlmpe_ds/data/corpora.py). The masks depend only on (--seed, window index, sample), so models
+with the same tokenizer are scored on the same tokens and masks. Writes <out>.md and <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mdlmpe_ds.data.corpora import EVAL_CORPORA
+    from mdlmpe_ds.diffusion.elbo import T_SAMPLING
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+    from mdlmpe_ds.evaluation.perplexity import EvalSettings, markdown_table, score_corpus, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", help="exported directories or training output dirs")
+    parser.add_argument("--names", nargs="+", help="row names (default: the directories' names)")
+    parser.add_argument("--corpora", nargs="+", default=list(EVAL_CORPORA))
+    parser.add_argument("--seq_len", type=int, default=None, help="window length (default: the model's)")
+    parser.add_argument("--max_sequences", type=int, default=64)
+    parser.add_argument("--num_samples", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--t_sampling", choices=T_SAMPLING, default="antithetic")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="outputs/eval/perplexity", help="output prefix (.md / .json)")
+    args = parser.parse_args(argv)
+    if args.names and len(args.names) != len(args.models):
+        parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scores, settings = [], None
+    for i, path in enumerate(args.models):
+        model, tok_dir = load_model(path, device=device, dtype=args.dtype)
+        if tok_dir is None:
+            raise SystemExit(f"{path}: no tokenizer recorded with this model")
+        tokenizer = load_tokenizer(tok_dir)
+        name = args.names[i] if args.names else Path(path).resolve().name
+        settings = EvalSettings(
+            seq_len=args.seq_len or model.config.max_seq_len,
+            max_sequences=args.max_sequences,
+            num_samples=args.num_samples,
+            seed=args.seed,
+            t_sampling=args.t_sampling,
+            batch_size=args.batch_size,
+        )
+        for corpus in args.corpora:
+            score = score_corpus(model, tokenizer, corpus, settings, name)
+            print(
+                f"{name:24s} {corpus:22s} ppl {score.perplexity:10.2f} "
+                f"[{score.ppl_low:.2f}, {score.ppl_high:.2f}]  {score.tokens} tokens",
+                flush=True,
+            )
+            scores.append(score)
+    md, js = write_results(scores, settings, args.out)
+    print("\n" + markdown_table(scores) + f"\n\nwritten: {md}, {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

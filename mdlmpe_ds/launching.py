@@ -1,0 +1,117 @@
+"""What the training launchers (launch/sft.py, launch/pretrain.py, launch/compare_pe.py) share:
+their common flags, the CPU re-launch under torchrun, and the worker's exit.
+
+On a CPU-only machine the `deepspeed` launcher starts one rank (one "device"); the scripts then
+re-launch themselves with 2 ranks under torchrun (``MDLMPE_DS_CPU_RANKS`` sets how many; 1 keeps
+one), so the embedded defaults exercise real data parallelism. On GPU nodes nothing is re-launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_RANKS_ENV = "MDLMPE_DS_CPU_RANKS"
+_LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_SIZE",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """--deepspeed, --local_rank (accepted, ignored), --config, --dry-run, --resume."""
+    # No prefix matching: a training key such as --seed must never be taken for a launcher flag.
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument(
+        "--deepspeed", default=str(REPO / "ds_configs" / "zero3.json"), help="DeepSpeed JSON config"
+    )
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="set by launchers; ignored (the environment's LOCAL_RANK is the source of truth)",
+    )
+    parser.add_argument("--config", default=None, help="training config file (.json/.yaml)")
+    parser.add_argument("--dry-run", "--dry_run", action="store_true", dest="dry_run")
+    parser.add_argument("--resume", default=None, help="'auto' or a checkpoint directory")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ranks_to_relaunch(dry_run: bool) -> int:
+    """Ranks to re-launch with (0 = run here): CPU-only, a single rank, not a dry run."""
+    import torch
+
+    if dry_run or torch.cuda.is_available():
+        return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        return 0
+    ranks = int(os.environ.get(CPU_RANKS_ENV, "2"))
+    return ranks if ranks > 1 else 0
+
+
+def relaunch(script: str | Path, ranks: int, argv: list[str]) -> int:
+    """Run ``script`` again under torchrun with ``ranks`` CPU processes; returns their exit code."""
+    forwarded = [a for a in argv if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env[CPU_RANKS_ENV] = "1"  # the children must not relaunch again
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        str(Path(script).resolve()),
+        *forwarded,
+    ]
+    name = Path(script).name
+    print(
+        f"[{name}] CPU-only machine and 1 rank: re-launching with {ranks} ranks:\n  {shlex.join(cmd)}",
+        flush=True,
+    )
+    return subprocess.call(cmd, env=env)
+
+
+def prepare_process() -> None:
+    """Environment defaults and warning filters every launcher sets before importing the engine."""
+    import warnings
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed 0.19 calls torch.distributed APIs that torch 2.13 marks deprecated, once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+def exit_process(exit_code: int) -> None:
+    """Leave: a worker under torchrun / the deepspeed launcher through the engine's teardown exit
+    (everything is written; gloo's C++ teardown is racy), anything else normally."""
+    if "LOCAL_RANK" in os.environ:
+        from mdlmpe_ds.engine import exit_after_teardown
+
+        exit_after_teardown(exit_code)
+    sys.exit(exit_code)

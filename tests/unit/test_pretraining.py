@@ -1,0 +1,234 @@
+"""Pretraining pieces that need no process group: corpora, the launcher's defaults and recipe, the
+index-keyed corruption, the cached SentencePiece tokenizer, perplexity tables and the comparison's
+aggregation. The 2-process runs are in tests/dist/test_pretrain.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdlmpe_ds.compare import ENCODINGS, aggregate, bar_chart, pretrain_command, summary_markdown
+from mdlmpe_ds.config import build_config
+from mdlmpe_ds.data.corpora import NAMED_CORPORA, corpus_text_files, load_packed_corpus
+from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, markdown_table, score_corpus
+from mdlmpe_ds.pretraining import (
+    PAPER_GLOBAL_BATCH,
+    pretrain_corruption,
+    pretrain_defaults,
+    scored_positions,
+    sentencepiece_for_corpus,
+)
+
+TEXT = "the cat sat on the mat\nthe dog sat on the log\n\nfour more words here\n"
+
+
+class WhitespaceTokenizer:
+    """Ids = word ranks in a fixed vocabulary: enough for packing tests (eos 0, mask 1)."""
+
+    eos_token_id = 0
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def __call__(self, texts, add_special_tokens=False):
+        ids = [[self.vocab.setdefault(w, len(self.vocab) + 2) for w in t.split()] for t in texts]
+        return {"input_ids": ids}
+
+
+# ------------------------------------------------------------------------------------ corpora
+def test_local_text_corpora_and_errors(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(TEXT)
+    b.write_text("one two three\n")
+    tok = WhitespaceTokenizer()
+    by_line = load_packed_corpus(str(a), tok, 4, split="line")
+    assert by_line.doc_ends.size == 3  # three non-empty lines, each followed by the separator
+    by_file = load_packed_corpus(f"{a},{b}", tok, 4)
+    assert by_file.doc_ends.size == 2  # default: one document per file
+    folder = load_packed_corpus(str(tmp_path), tok, 4)
+    assert folder.stream.tolist() == by_file.stream.tolist()  # a directory = its *.txt, sorted
+    assert corpus_text_files(str(tmp_path)) == [a, b]
+    with pytest.raises(FileNotFoundError, match=r"missing\.txt"):
+        load_packed_corpus(str(tmp_path / "missing.txt"), tok, 4)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_packed_corpus("./nowhere/corpus", tok, 4)
+    with pytest.raises(ValueError, match="text split"):
+        load_packed_corpus(str(a), tok, 4, split="sentence")
+
+
+def test_jsonl_corpus_reads_the_text_column(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in ("a b c", "d e", "f g h i")) + "\n")
+    packed = load_packed_corpus(str(path), WhitespaceTokenizer(), 3, text_column="body")
+    assert packed.doc_ends.tolist() == [4, 7, 12]
+    with pytest.raises(KeyError, match="text"):
+        load_packed_corpus(str(path), WhitespaceTokenizer(), 3)
+
+
+def test_named_corpora_follow_their_document_convention(assets):
+    assets("ptb")
+    tok = WhitespaceTokenizer()
+    ptb = load_packed_corpus("ptb", tok, 64)
+    lines = [ln for ln in corpus_text_files("ptb")[0].read_text().split("\n") if ln.strip()]
+    assert ptb.doc_ends.size == len(lines)  # one separator per PTB sentence
+    assert set(NAMED_CORPORA) >= {"ptb", "enwiki-excerpt", "news-excerpt", "shakespeare-heldout"}
+
+
+# ------------------------------------------------------------------------------------ launcher defaults
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_paper_recipe_keeps_global_batch_16(world):
+    d = pretrain_defaults("llada-100m", world)
+    assert d["train.micro_batch_size"] * d["train.grad_accum"] * world == PAPER_GLOBAL_BATCH
+    assert (d["optim.lr"], d["optim.betas"], d["optim.weight_decay"]) == (1e-4, (0.9, 0.999), 0.01)
+    assert (d["optim.warmup_steps"], d["data.max_len"], d["train.head_schedule"]) == (2000, 1024, False)
+
+
+def test_recipe_rejects_a_world_that_does_not_split_the_batch():
+    with pytest.raises(ValueError, match="global batch 16"):
+        pretrain_defaults("dream-100m", 3)
+
+
+def test_launcher_defaults_sit_under_file_and_flags(tmp_path):
+    defaults = pretrain_defaults(None, 2)
+    run = build_config(None, ["--max_steps", "7"], defaults=defaults)
+    assert run.data.dataset == "shakespeare" and run.train.max_steps == 7
+    assert run.train.head_schedule is False  # MDLMPE on every head from the first update
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"data": {"max_len": 64}, "train": {"eval_every": 5}}))
+    run = build_config(str(cfg), ["--eval_every", "3"], defaults=defaults)
+    assert (run.data.max_len, run.train.eval_every) == (64, 3)
+    with pytest.raises(ValueError, match=r"data\.text_split"):
+        build_config(None, ["--text_split", "sentences"], defaults=defaults)
+
+
+# ------------------------------------------------------------------------------------ corruption
+def _batch(index, epoch, length=32):
+    ids = torch.arange(len(index) * length).view(len(index), length) % 50 + 5
+    return {
+        "input_ids": ids,
+        "valid": torch.ones_like(ids, dtype=torch.bool),
+        "index": torch.tensor(index),
+        "epoch": epoch,
+    }
+
+
+def test_corruption_is_keyed_by_window_and_epoch_only():
+    noisy, masked, p = pretrain_corruption(_batch([3, 9], 0), seed=5, eps=1e-3, mask_id=1, family="llada")
+    # The same window in another batch, at another batch position, gives the same mask.
+    _, again, p_again = pretrain_corruption(_batch([7, 9, 3], 0), 5, 1e-3, 1, "llada")
+    assert torch.equal(again[2], masked[0]) and torch.equal(again[1], masked[1])
+    assert p_again[2] == p[0]
+    assert torch.equal(noisy[masked], torch.ones(int(masked.sum()), dtype=torch.long))
+    assert torch.equal(noisy[~masked], _batch([3, 9], 0)["input_ids"][~masked])
+    # Another epoch or seed draws anew; eps bounds p from below.
+    _, other_epoch, _ = pretrain_corruption(_batch([3, 9], 1), 5, 1e-3, 1, "llada")
+    _, other_seed, _ = pretrain_corruption(_batch([3, 9], 0), 6, 1e-3, 1, "llada")
+    assert not torch.equal(other_epoch, masked) and not torch.equal(other_seed, masked)
+    assert bool((p >= 1e-3).all()) and bool((p <= 1).all())
+
+
+def test_masking_rate_follows_p():
+    batch = _batch(list(range(400)), 0, length=64)
+    _, masked, p = pretrain_corruption(batch, 0, 1e-3, 1, "llada")
+    rate = masked.float().mean(1)  # [B]
+    assert abs(float((rate - p).mean())) < 0.01  # E[masked fraction | p] = p
+    assert abs(float(p.mean()) - 0.5) < 0.05  # t ~ U[0, 1)
+
+
+def test_dream_never_masks_position_zero():
+    _, masked, _ = pretrain_corruption(_batch(list(range(64)), 0), 0, 0.5, 1, "dream")
+    assert not bool(masked[:, 0].any()) and bool(masked[:, 1:].any())
+    assert scored_positions(torch.ones(2, 4, dtype=torch.bool), "llada").all()
+
+
+# ------------------------------------------------------------------------------------ tokenizer cache
+def test_sentencepiece_tokenizer_is_cached_by_content(tmp_path, assets):
+    corpus = assets("botchan").botchan
+    first = sentencepiece_for_corpus(str(corpus), 400, cache_root=tmp_path)
+    stamp = (first / "tokenizer.json").stat().st_mtime_ns
+    assert sentencepiece_for_corpus(str(corpus), 400, cache_root=tmp_path) == first
+    assert (first / "tokenizer.json").stat().st_mtime_ns == stamp  # reused, not retrained
+    copy = tmp_path / "changed.txt"
+    copy.write_text(corpus.read_text()[:50000] + "\nsomething new\n")
+    assert sentencepiece_for_corpus(str(copy), 400, cache_root=tmp_path) != first
+    assert not list((tmp_path / "tokenizers").glob(".*tmp*"))  # no half-written directories left
+
+
+# ------------------------------------------------------------------------------------ perplexity tables
+def _score(model, corpus, ppl, tokens=100, stderr=0.01):
+    nll = math.log(ppl)
+    return CorpusScore(
+        model, corpus, nll, stderr, ppl, math.exp(nll - 2 * stderr), math.exp(nll + 2 * stderr), tokens, 4, 8
+    )
+
+
+def test_markdown_table_lists_models_corpora_and_tokens():
+    table = markdown_table([_score("a", "ptb", 10.0), _score("b", "ptb", 12.5), _score("a", "news", 3.0)])
+    lines = table.splitlines()
+    assert lines[0] == "| model | ptb | news |"
+    assert lines[2].startswith("| a | 10.00 [") and lines[3].endswith("| – |")
+    assert lines[-1] == "| tokens scored | 100 | 100 |"
+
+
+def test_aggregate_gives_mean_and_std_over_seeds_and_bolds_the_best(tmp_path):
+    scores = [
+        _score("rope/seed0", "ptb", 10.0),
+        _score("rope/seed1", "ptb", 14.0),
+        _score("mdlmpe/seed0", "ptb", 9.0),
+        _score("mdlmpe/seed1", "ptb", 11.0),
+    ]
+    table = aggregate(scores)
+    assert table["rope"]["ptb"]["mean"] == pytest.approx(12.0)
+    assert table["rope"]["ptb"]["std"] == pytest.approx(math.sqrt(8.0))  # sample std of 10, 14
+    assert table["mdlmpe"]["ptb"]["n"] == 2
+    md = summary_markdown(table, ["ptb"])
+    assert "| mdlmpe | **10.00 ± 1.41** |" in md and "| rope | 12.00 ± 2.83 |" in md
+    png = bar_chart(table, ["ptb"], tmp_path / "c.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pretrain_command_changes_only_the_position_module():
+    base = ["--max_steps", "5"]
+    rope = pretrain_command(["python"], "rope", 1, Path("o/r"), "ds.json", base)
+    full = pretrain_command(["python"], "mdlmpe-binary", 1, Path("o/m"), "ds.json", base)
+    assert rope[rope.index("--position_encoding") + 1] == "rope"
+    spec = json.loads(full[full.index("--model.mdlmpe") + 1])
+    assert spec == ENCODINGS["mdlmpe-binary"]["mdlmpe"]
+    for cmd in (rope, full):
+        assert cmd[cmd.index("--seed") + 1] == "1" and cmd[-2:] == ["--resume", "auto"]
+    with pytest.raises(ValueError, match="unknown encoding"):
+        pretrain_command(["python"], "xpos", 1, Path("o"), "ds.json", base)
+
+
+def test_score_corpus_uses_the_same_masks_for_every_model(tmp_path, assets):
+    """One model scores the same whatever the batch size; another model is scored on the same tokens."""
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.models.transformer import DiffusionLM
+
+    corpus = assets("news_excerpt").news_excerpt("test")
+    tok_dir = sentencepiece_for_corpus(str(assets("botchan").botchan), 400, cache_root=tmp_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    config = preset(
+        "llada-tiny", vocab_size=448, mask_token_id=tokenizer.mask_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DiffusionLM(config).eval()
+    settings = EvalSettings(seq_len=32, max_sequences=6, num_samples=4, batch_size=4)
+    a = score_corpus(model, tokenizer, str(corpus), settings, "a")
+    b = score_corpus(
+        model, tokenizer, str(corpus), EvalSettings(**{**settings.__dict__, "batch_size": 6}), "b"
+    )
+    assert a.nll == pytest.approx(b.nll, rel=1e-6) and a.tokens == b.tokens == 6 * 32
+    assert a.ppl_low < a.perplexity < a.ppl_high
+    # An untrained model is close to uniform over the vocabulary (paper-free sanity bound).
+    assert 0.5 * 448 < a.perplexity < 2.0 * 448
+    torch.manual_seed(1)
+    other = score_corpus(DiffusionLM(config).eval(), tokenizer, str(corpus), settings, "other")
+    assert other.tokens == a.tokens and other.nll != a.nll
