@@ -232,3 +232,41 @@ def test_score_corpus_uses_the_same_masks_for_every_model(tmp_path, assets):
     torch.manual_seed(1)
     other = score_corpus(DiffusionLM(config).eval(), tokenizer, str(corpus), settings, "other")
     assert other.tokens == a.tokens and other.nll != a.nll
+
+
+def test_evaluate_cli_writes_markdown_and_json(tmp_path, assets):
+    """launch/evaluate.py on two exported directories of one model: identical rows (same masks)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.models.transformer import DiffusionLM
+
+    tok_dir = sentencepiece_for_corpus(str(assets("botchan").botchan), 400, cache_root=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    config = preset(
+        "dream-tiny", vocab_size=448, mask_token_id=tokenizer.mask_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
+    )  # fmt: skip
+    model = DiffusionLM(config)
+    dirs = []
+    for name in ("first", "second"):
+        save_pretrained(model, tmp_path / name, config)
+        tokenizer.save_pretrained(str(tmp_path / name))
+        dirs.append(str(tmp_path / name))
+    spec = importlib.util.spec_from_file_location(
+        "evaluate_cli", Path(__file__).parents[2] / "launch" / "evaluate.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "ppl"
+    args = [*dirs, "--corpora", "botchan", "--max_sequences", "3", "--num_samples", "4", "--out", str(out)]
+    assert cli.main(args) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    first, second = report["scores"]
+    assert (first["model"], second["model"]) == ("first", "second")
+    assert first["nll"] == second["nll"] and first["tokens"] == 3 * 31  # Dream: position 0 unscored
+    assert report["settings"]["seq_len"] == 32 and report["settings"]["t_sampling"] == "antithetic"
+    assert "| first |" in out.with_suffix(".md").read_text()
