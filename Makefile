@@ -10,7 +10,7 @@ export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED = 1
 
-.PHONY: venv test test-unit test-dist lint format demo bench clean
+.PHONY: venv test test-unit test-dist lint format demo pretrain-demo compare bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,12 @@ format: venv
 
 demo: venv
 	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/sft.py --deepspeed ds_configs/zero3.json
+
+pretrain-demo: venv
+	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/pretrain.py --deepspeed ds_configs/zero3.json
+
+compare: venv
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python launch/compare_pe.py
 
 bench: venv
 	$(BIN)/python benchmarks/bench_attention.py
