@@ -11,7 +11,9 @@ One optimizer update n (0-based) is:
 
 Everything that decides the next batch and the next noise draw -- engine state (DeepSpeed), sampler
 position, counters, RNG states -- is in every checkpoint, so a resumed run repeats the straight run's
-losses bit for bit in fp32 (tests/dist/test_sft_resume.py).
+losses, lr and gradient norms bit for bit, in fp32 and in bf16 (tests/dist/test_sft_resume.py), given
+the same world size and, on the CPU, the same intra-op thread count (OMP_NUM_THREADS: the order in
+which CPU kernels add partial sums depends on it; a resume with another count is warned about).
 """
 
 from __future__ import annotations
@@ -379,7 +381,11 @@ class SFTTrainer:
         eng.barrier()
         self.engine.save_checkpoint(str(path), tag=ckpt.DS_TAG, save_latest=False)
         self.state.sampler = self.sampler.state_dict()
-        ckpt.write_trainer_state(path, self.rank, {"trainer": asdict(self.state), "rng": ckpt.rng_state()})
+        ckpt.write_trainer_state(
+            path,
+            self.rank,
+            {"trainer": asdict(self.state), "rng": ckpt.rng_state(), "numerics": ckpt.numerics_state()},
+        )
         if self.rank == 0:
             ckpt.write_meta(
                 path,
@@ -417,6 +423,13 @@ class SFTTrainer:
         self.sampler.load_state_dict(self.state.sampler)
         if same_world:
             ckpt.set_rng_state(state["rng"])
+            differences = ckpt.numerics_differences(state.get("numerics"))
+            if differences and eng.on_cpu():
+                _log(
+                    f"note: {path} was written with other CPU numerics ({'; '.join(differences)}): the "
+                    f"resumed losses will differ from an uninterrupted run's in the last bits "
+                    f"(set OMP_NUM_THREADS as at save for a bitwise continuation)"
+                )
         else:  # per-rank noise streams are keyed by rank: continue from the global count
             self.state.micro_step = self.state.micro_step * saved.world_size // self.world
         self.last_good = path

@@ -53,6 +53,8 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     }
     out.update(
         {
+            # Speed (2 ranks on 2 cores) and bitwise comparisons: the CPU kernels' summation order
+            # depends on the intra-op thread count, so runs compared bit for bit must share it.
             "OMP_NUM_THREADS": "1",
             "DS_ACCELERATOR": "cpu",
             "TOKENIZERS_PARALLELISM": "false",

@@ -59,10 +59,11 @@ def test_straight_equals_interrupted(straight, data, tmp_path):
     a, b = metrics(straight), metrics(out)
     assert sorted(a) == sorted(b) == list(range(1, N + 1))
     for step in range(1, N + 1):
-        for key in ("train/loss", "train/lr", "train/masked_tokens"):
-            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=0), f"update {step} {key}"
+        for key in ("train/loss", "train/lr", "train/grad_norm", "train/masked_tokens"):
+            # fp32, one thread per rank: the resumed run repeats the straight run bit for bit.
+            assert b[step][key] == a[step][key], f"update {step} {key}: {a[step][key]!r} vs {b[step][key]!r}"
     for step in (3, 6):  # validation draws are fixed: the resumed model scores like the straight one
-        assert b[step]["val/ppl"] == pytest.approx(a[step]["val/ppl"], rel=1e-6)
+        assert b[step]["val/ppl"] == a[step]["val/ppl"]
     assert a[1]["train/loss"] != a[2]["train/loss"]  # real, varying losses (not a constant)
 
 
