@@ -204,20 +204,27 @@ def test_pretrain_command_changes_only_the_position_module():
         pretrain_command(["python"], "xpos", 1, Path("o"), "ds.json", base)
 
 
+def _tiny_model_setup(assets, tmp_path, name: str):
+    """A 400-piece SentencePiece tokenizer of Botchan and a tiny preset sized for it (L = 32)."""
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.models.presets import preset
+
+    tok_dir = sentencepiece_for_corpus(str(assets("botchan").botchan), 400, cache_root=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    config = preset(
+        name, vocab_size=448, mask_token_id=tokenizer.mask_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
+    )  # fmt: skip
+    return tokenizer, config
+
+
 def test_score_corpus_uses_the_same_masks_for_every_model(tmp_path, assets):
     """One model scores the same whatever the batch size; another model is scored on the same tokens."""
-    from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.models.transformer import DiffusionLM
 
     corpus = assets("news_excerpt").news_excerpt("test")
-    tok_dir = sentencepiece_for_corpus(str(assets("botchan").botchan), 400, cache_root=tmp_path)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-    config = preset(
-        "llada-tiny", vocab_size=448, mask_token_id=tokenizer.mask_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
-    )  # fmt: skip
+    tokenizer, config = _tiny_model_setup(assets, tmp_path, "llada-tiny")
     torch.manual_seed(0)
     model = DiffusionLM(config).eval()
     settings = EvalSettings(seq_len=32, max_sequences=6, num_samples=4, batch_size=4)
@@ -238,18 +245,10 @@ def test_evaluate_cli_writes_markdown_and_json(tmp_path, assets):
     """launch/evaluate.py on two exported directories of one model: identical rows (same masks)."""
     import importlib.util
 
-    from transformers import AutoTokenizer
-
     from mdlmpe_ds.models.hf_io import save_pretrained
-    from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.models.transformer import DiffusionLM
 
-    tok_dir = sentencepiece_for_corpus(str(assets("botchan").botchan), 400, cache_root=tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-    config = preset(
-        "dream-tiny", vocab_size=448, mask_token_id=tokenizer.mask_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
-    )  # fmt: skip
+    tokenizer, config = _tiny_model_setup(assets, tmp_path, "dream-tiny")
     model = DiffusionLM(config)
     dirs = []
     for name in ("first", "second"):
