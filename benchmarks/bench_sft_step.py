@@ -2,6 +2,7 @@
 plain RoPE path, same model, same batch, same corruption, in one run.
 
     python benchmarks/bench_sft_step.py                      # tiny LLaDA preset, L = 256, CPU
+    python benchmarks/bench_sft_step.py --compile            # same, MDLMPE's blocked path compiled
     python benchmarks/bench_sft_step.py --preset llada-100m --seq_len 1024 --batch 8   # on a GPU
 
 Each variant runs in its own subprocess so peak memory is measured cleanly: on CUDA
@@ -40,7 +41,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    mdlmpe = {"backend": args.backend, "block_size": args.block_size}
+    mdlmpe = {"backend": args.backend, "block_size": args.block_size, "compile": args.compile}
     config = preset(
         args.preset,
         vocab_size=args.vocab,
@@ -110,6 +111,11 @@ def main() -> int:
     parser.add_argument("--backend", default="blocked")
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="MDLMPE blocked backend through torch.compile (compiled in the warm-up steps, not timed)",
+    )
     parser.add_argument("--pe", default=None, help=argparse.SUPPRESS)  # internal: worker mode
     args = parser.parse_args()
     if args.pe is not None:

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from mdlmpe_ds.attention import blocked
+from mdlmpe_ds.attention import blocked, blocked_fused
 from mdlmpe_ds.attention.blocked import PairCoefficients, PairCorrection, blocked_attention, pair_correction
 from mdlmpe_ds.attention.common import rope_attention
 from mdlmpe_ds.attention.reference import reference_attention
@@ -375,6 +375,80 @@ def test_rejects_mismatched_features():
         )
 
 
+def _eager_pieces() -> blocked_fused.CompiledPieces:
+    """The compiled path's pieces without torch.compile: its maths, checked in milliseconds."""
+    return blocked_fused.CompiledPieces(
+        blocked_fused.coefficients,
+        blocked_fused.coefficients_for_backward,
+        blocked_fused.coefficients_vjp,
+        blocked_fused.attend_forward,
+        blocked_fused.attend_backward,
+    )
+
+
+@pytest.mark.parametrize(
+    ("length", "block_size", "kv_heads", "pattern", "ad_grad"),
+    [
+        (12, 4, 2, None, False),  # key chunks of 4 (KEY_CHUNK patched) in the k gradient
+        (11, 4, 2, (True, False), True),  # ragged last block (aligned), A, D differentiable
+        (10, 3, 1, None, False),  # one KV head for all queries, chunks do not divide L
+    ],
+)
+def test_flash_blocks_match_reference(monkeypatch, length, block_size, kv_heads, pattern, ad_grad):
+    """compile=True's flash-style blocks (saved output + log-sum-exp, hand-derived backward) with
+    the pieces run eagerly: forward, no-grad forward and all gradients equal the spec's."""
+    monkeypatch.setattr(blocked_fused, "compiled_pieces", _eager_pieces)
+    monkeypatch.setattr(blocked_fused, "KEY_CHUNK", 4)
+    q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=kv_heads, length=length, seed=43 + length)
+    mlp = _phase(4, seed=43)
+    leaves = [q, k, v, *mlp.params()]
+    if ad_grad:
+        A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
+        leaves += [A, D]
+    active = None if pattern is None else torch.tensor(pattern)
+    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid, "active_kv": active}
+    ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, compile=True, **kwargs)
+    torch.testing.assert_close(out, ref, **TOL)
+    with torch.no_grad():
+        no_grad = blocked_attention(
+            q, k, v, A, D, mlp.params(), block_size=block_size, compile=True, **kwargs
+        )
+    torch.testing.assert_close(no_grad, ref, **TOL)
+    names = ("q", "k", "v", "w1", "b1", "w2", "b2", "A", "D")
+    for name, got, want in zip(names, _grads(out, leaves), _grads(ref, leaves)):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_flash_blocks_save_no_pair_tensor(monkeypatch):
+    """The compiled path keeps per block only its inputs, output and log-sum-exp for backward."""
+    monkeypatch.setattr(blocked_fused, "compiled_pieces", _eager_pieces)
+    q, k, v, A, D, valid = _inputs(batch=1, q_heads=2, kv_heads=2, length=48, seed=47)
+    mlp = _phase(4, seed=47)
+    largest = 0
+
+    def pack(t):
+        nonlocal largest
+        largest = max(largest, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        blocked_attention(
+            q,
+            k,
+            v,
+            A,
+            D,
+            mlp.params(),
+            tau_max=TAU_MAX,
+            clip_kappa=KAPPA,
+            key_valid=valid,
+            block_size=8,
+            compile=True,
+        )
+    assert largest <= q.numel()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MDLMPE_DS_TEST_COMPILE") != "1", reason="set MDLMPE_DS_TEST_COMPILE=1")
 def test_compiled_regions_match_eager():
@@ -394,3 +468,23 @@ def test_compiled_regions_match_eager():
     torch.testing.assert_close(compiled, eager, **TOL)
     for got, want in zip(_grads(compiled, leaves), _grads(eager, leaves)):
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MDLMPE_DS_TEST_COMPILE") != "1", reason="set MDLMPE_DS_TEST_COMPILE=1")
+def test_compiled_flash_blocks_match_reference():
+    """compile=True through inductor on a length the key chunks divide, with A, D differentiable
+    (autograd through compiled region 1) and without (hand-derived region-1 backward)."""
+    for ad_grad in (False, True):
+        q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=2, length=128, seed=53)
+        mlp = _phase(4, seed=53)
+        leaves = [q, k, v, *mlp.params()]
+        if ad_grad:
+            A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
+            leaves += [A, D]
+        kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid}
+        ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
+        out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=32, compile=True, **kwargs)
+        torch.testing.assert_close(out, ref, **TOL)
+        for got, want in zip(_grads(out, leaves), _grads(ref, leaves)):
+            torch.testing.assert_close(got, want, **TOL)
