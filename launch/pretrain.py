@@ -63,44 +63,35 @@ def main(argv: list[str] | None = None) -> int:
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
-    from mdlmpe_ds import engine
     from mdlmpe_ds.config import build_config
     from mdlmpe_ds.pretraining import pretrain_defaults, run_pretrain
-    from mdlmpe_ds.trainer import NonFiniteError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     defaults = pretrain_defaults(_preset_from(rest, args.config), world)
     run = build_config(args.config, rest, defaults=defaults)
-    if args.dry_run:
-        run_pretrain(run, args.deepspeed, resume=args.resume, dry_run=True)
-        return 0
-    with engine.distributed_session(run.train.dist_timeout_min):
-        try:
-            summary = run_pretrain(run, args.deepspeed, resume=args.resume)
-        except NonFiniteError as err:
-            print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
-            return 3
-        if engine.rank() == 0:
-            out = Path(run.train.output_dir).resolve()
-            if summary["finished"]:
-                write_summary(out, summary)
-            val = summary.get("validation")
-            lines = [
-                f"\ndone: {summary['total_updates']} updates ({summary['epochs']:.2f} epochs of "
-                f"{summary['tokens_per_epoch']:,} tokens)"
-                + (f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""),
-            ]
-            if val:
-                lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
-            lines += [
-                f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
-                f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
-                f"resume with:      deepspeed launch/pretrain.py --deepspeed {args.deepspeed} "
-                f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip(),
-                f"evaluate with:    python launch/evaluate.py {out}",
-            ]
-            print("\n".join(lines), flush=True)
-    return 0
+
+    def report(summary: dict) -> None:
+        out = Path(run.train.output_dir).resolve()
+        if summary["finished"]:
+            write_summary(out, summary)
+        val = summary.get("validation")
+        lines = [
+            f"\ndone: {summary['total_updates']} updates ({summary['epochs']:.2f} epochs of "
+            f"{summary['tokens_per_epoch']:,} tokens)"
+            + (f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""),
+        ]
+        if val:
+            lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
+        lines += [
+            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
+            f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
+            f"resume with:      deepspeed launch/pretrain.py --deepspeed {args.deepspeed} "
+            f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip(),
+            f"evaluate with:    python launch/evaluate.py {out}",
+        ]
+        print("\n".join(lines), flush=True)
+
+    return launching.run_job(run_pretrain, run, args, report)
 
 
 if __name__ == "__main__":

@@ -39,35 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
-    from mdlmpe_ds import engine
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import NonFiniteError, run_sft
+    from mdlmpe_ds.trainer import run_sft
 
     run = build_config(args.config, rest)
-    if args.dry_run:
-        run_sft(run, args.deepspeed, resume=args.resume, dry_run=True)
-        return 0
-    with engine.distributed_session(run.train.dist_timeout_min):
-        try:
-            summary = run_sft(run, args.deepspeed, resume=args.resume)
-        except NonFiniteError as err:
-            print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
-            return 3
-        if engine.rank() == 0:
-            out = Path(run.train.output_dir).resolve()
-            print(
-                f"\ndone: {summary['total_updates']} updates, final loss {summary['history'][-1]['loss']:.4f}"
-                if summary["history"]
-                else "\ndone: nothing left to train",
-                f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"
-                f"\ncheckpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})"
-                f"\nresume with:      deepspeed launch/sft.py --deepspeed {args.deepspeed} "
-                f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip()
-                + f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
-                f"{out / 'export'}",
-                flush=True,
-            )
-    return 0
+
+    def report(summary: dict) -> None:
+        out = Path(run.train.output_dir).resolve()
+        print(
+            f"\ndone: {summary['total_updates']} updates, final loss {summary['history'][-1]['loss']:.4f}"
+            if summary["history"]
+            else "\ndone: nothing left to train",
+            f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"
+            f"\ncheckpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})"
+            f"\nresume with:      deepspeed launch/sft.py --deepspeed {args.deepspeed} "
+            f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip()
+            + f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
+            f"{out / 'export'}",
+            flush=True,
+        )
+
+    return launching.run_job(run_sft, run, args, report)
 
 
 if __name__ == "__main__":

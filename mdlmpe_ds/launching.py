@@ -107,6 +107,27 @@ def prepare_process() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
+def run_job(job, run, args, report) -> int:
+    """The launchers' shared body: a dry run (meta device, no process group), or ``job`` inside a
+    distributed session with ``report(summary)`` on rank 0. Exit code 3 when the run stopped on
+    too many non-finite updates (the message names the last good checkpoint)."""
+    from mdlmpe_ds import engine
+    from mdlmpe_ds.trainer import NonFiniteError
+
+    if args.dry_run:
+        job(run, args.deepspeed, resume=args.resume, dry_run=True)
+        return 0
+    with engine.distributed_session(run.train.dist_timeout_min):
+        try:
+            summary = job(run, args.deepspeed, resume=args.resume)
+        except NonFiniteError as err:
+            print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
+            return 3
+        if engine.rank() == 0:
+            report(summary)
+    return 0
+
+
 def exit_process(exit_code: int) -> None:
     """Leave: a worker under torchrun / the deepspeed launcher through the engine's teardown exit
     (everything is written; gloo's C++ teardown is racy), anything else normally."""

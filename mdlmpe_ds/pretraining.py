@@ -31,9 +31,11 @@ import torch
 
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.trainer import (
     SFTTrainer,
     _log,
+    assert_same_on_all_ranks,
     build_engine,
     model_config_for,
     prepare_resume,
@@ -145,15 +147,6 @@ def resolve_tokenizer_dir(run: RunConfig) -> Path:
 
 
 # ------------------------------------------------------------------------------------ trainer
-def scored_positions(valid: torch.Tensor, family: str) -> torch.Tensor:
-    """Positions that may be masked and scored: every valid token; for Dream not position 0, which
-    its shifted logits cannot predict. [B, L] bool."""
-    scored = valid.clone()
-    if family == "dream":
-        scored[:, 0] = False
-    return scored
-
-
 def pretrain_corruption(
     batch: dict, seed: int, eps: float, mask_id: int, family: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,19 +252,12 @@ class PretrainTrainer(SFTTrainer):
 # ------------------------------------------------------------------------------------ building a run
 def check_same_stream_on_all_ranks(dataset, source: str) -> None:
     """Every rank must pack the same token stream (the sampler indexes windows globally)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
     stream = torch.from_numpy(dataset.stream)  # [T]
     weighted = (stream * (torch.arange(stream.numel()) % 101)).sum()  # order-sensitive
-    mine = torch.tensor([float(stream.numel()), float(stream.sum()), float(weighted)], dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    if any(not torch.equal(g, gathered[0]) for g in gathered):
-        raise RuntimeError(
-            f"{source}: the ranks packed different token streams ({[g.tolist() for g in gathered]})"
-        )
+    assert_same_on_all_ranks(
+        [float(stream.numel()), float(stream.sum()), float(weighted)],
+        f"{source}: the ranks packed different token streams",
+    )
 
 
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:

@@ -452,11 +452,7 @@ def demo_assets() -> tuple[Path, Path]:
     """(Qwen2.5 tokenizer dir, chat.jsonl) prepared offline by data/assets.py (rank 0 first)."""
     from mdlmpe_ds.data.assets import ensure_assets
 
-    if eng.rank() == 0:
-        paths = ensure_assets(parts=("qwen_tokenizer", "chat"))
-    eng.barrier()
-    if eng.rank() != 0:
-        paths = ensure_assets(parts=("qwen_tokenizer", "chat"))
+    paths = rank_zero_first(lambda: ensure_assets(parts=("qwen_tokenizer", "chat")))
     return paths.qwen_tokenizer_dir, paths.chat_jsonl
 
 
@@ -564,14 +560,18 @@ def check_same_data_on_all_ranks(dataset, source: str) -> None:
         ex = dataset[i]
         fingerprint[1] += len(ex.input_ids) * (i % 97 + 1)
         fingerprint[2] += sum(ex.input_ids[:8]) + ex.prompt_len
+    assert_same_on_all_ranks(fingerprint, f"{source}: the ranks built different SFT datasets")
+
+
+def assert_same_on_all_ranks(fingerprint: list[float], what: str) -> None:
+    """Raise ``what`` (with every rank's values) unless all ranks hold the same fingerprint."""
+    if not dist.is_initialized():
+        return
     mine = torch.tensor(fingerprint, dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     if any(not torch.equal(g, gathered[0]) for g in gathered):
-        raise RuntimeError(
-            f"{source}: the ranks built different SFT datasets "
-            f"(fingerprints {[g.tolist() for g in gathered]})"
-        )
+        raise RuntimeError(f"{what} (fingerprints {[g.tolist() for g in gathered]})")
 
 
 def prepare_resume(resume: str | None, run: RunConfig, model_config, ds_config: dict) -> Path | None:

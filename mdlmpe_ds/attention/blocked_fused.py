@@ -86,10 +86,14 @@ def coefficients(
     clip_kappa: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Region 1: alpha, beta [B, C, |M|, L] of one query block, shared by every head; the maths
-    of :func:`mdlmpe_ds.attention.blocked.pair_coefficients` (same arguments and shapes)."""
-    s = _phase_mlp_inputs(a_rows, d_rows, a_cols, d_cols, clip_kappa)  # [B, C, F, L]
-    z = _rowwise_linear(w2, F.silu(_rowwise_linear(w1, s, b1)), b2)  # [B, C, |M|, L] (Eq. phase_mlp)
-    return _alpha_beta(z, tau_max)
+    of :func:`mdlmpe_ds.attention.blocked.pair_coefficients` (same arguments and shapes).
+
+    Compiled on its own, the intermediates s, u, z are not graph outputs, so inductor fuses them
+    away instead of writing them out as :func:`coefficients_for_backward` must."""
+    alpha, beta, *_ = coefficients_for_backward(
+        a_rows, d_rows, a_cols, d_cols, w1, b1, w2, b2, tau_max, clip_kappa
+    )
+    return alpha, beta
 
 
 def coefficients_for_backward(
@@ -104,9 +108,9 @@ def coefficients_for_backward(
     tau_max: float,
     clip_kappa: float,
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`coefficients` plus what :func:`coefficients_vjp` needs: s [B, C, F, L] and the
-    pre-activations u [B, C, H, L], z [B, C, |M|, L]."""
-    s = _phase_mlp_inputs(a_rows, d_rows, a_cols, d_cols, clip_kappa)
+    """alpha, beta and what :func:`coefficients_vjp` needs: s [B, C, F, L] and the
+    pre-activations u [B, C, H, L], z [B, C, |M|, L] (Eq. phase_mlp)."""
+    s = _phase_mlp_inputs(a_rows, d_rows, a_cols, d_cols, clip_kappa)  # [B, C, F, L]
     u = _rowwise_linear(w1, s, b1)
     z = _rowwise_linear(w2, F.silu(u), b2)
     return (*_alpha_beta(z, tau_max), s, u, z)

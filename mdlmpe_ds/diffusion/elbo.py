@@ -79,6 +79,15 @@ def noise_level(t: torch.Tensor, eps: float) -> torch.Tensor:
 T_SAMPLING = ("iid", "antithetic", "stratified")
 
 
+def scored_positions(valid: torch.Tensor, family: str) -> torch.Tensor:
+    """Positions a model of ``family`` can be scored on: every valid token; for Dream not position
+    0, which its shifted logits cannot predict (MODELS.md §2.3). [B, L] bool."""
+    scored = valid.clone()
+    if family == "dream":
+        scored[:, 0] = False
+    return scored
+
+
 def replicate_group(t_sampling: str, group_size: int) -> int:
     """Samples per independent replicate under ``t_sampling`` (module doc)."""
     if t_sampling == "iid":

@@ -20,7 +20,7 @@ import torch
 
 from mdlmpe_ds.data.corpora import load_packed_corpus
 from mdlmpe_ds.data.pretrain import packed_collate
-from mdlmpe_ds.diffusion.elbo import diffusion_elbo
+from mdlmpe_ds.diffusion.elbo import diffusion_elbo, scored_positions
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,10 @@ def score_corpus(model, tokenizer, corpus: str, settings: EvalSettings, name: st
     if n == 0:
         raise ValueError(f"corpus {corpus!r} is shorter than one {settings.seq_len}-token window")
     items = [packed[i] for i in range(n)]
-    family = model.config.family
     batches = []
     for i in range(0, n, settings.batch_size):
         batch = packed_collate(items[i : i + settings.batch_size])
-        if family == "dream":  # Dream's shifted logits cannot predict position 0
-            batch["maskable"] = batch["valid"].clone()
-            batch["maskable"][:, 0] = False
+        batch["maskable"] = scored_positions(batch["valid"], model.config.family)
         batches.append(batch)
     device = next(model.parameters()).device
 

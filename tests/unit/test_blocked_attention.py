@@ -322,38 +322,31 @@ def test_region_one_backward_matches_autograd():
         torch.testing.assert_close(g, w)
 
 
-def test_checkpoint_keeps_no_pair_tensor_for_backward():
-    """With per-block checkpointing nothing of size L x L is saved for backward; without it is."""
+def _largest_saved_for_backward(**kwargs) -> int:
+    """Elements of the largest tensor autograd keeps for backward in one blocked_attention call
+    (the 48-token, 2-head case of the saved-tensor tests; ``kwargs`` pick the path)."""
     q, k, v, A, D, valid = _inputs(batch=1, q_heads=2, kv_heads=2, length=48, seed=31)
     mlp = _phase(4, seed=31)
+    largest = 0
 
-    def saved_elements(ckpt: bool) -> int:
-        largest = 0
+    def pack(t):
+        nonlocal largest
+        largest = max(largest, t.numel())
+        return t
 
-        def pack(t):
-            nonlocal largest
-            largest = max(largest, t.numel())
-            return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        blocked_attention(
+            q, k, v, A, D, mlp.params(), tau_max=TAU_MAX, clip_kappa=KAPPA, key_valid=valid, block_size=8,
+            **kwargs,
+        )  # fmt: skip
+    return largest
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            blocked_attention(
-                q,
-                k,
-                v,
-                A,
-                D,
-                mlp.params(),
-                tau_max=TAU_MAX,
-                clip_kappa=KAPPA,
-                key_valid=valid,
-                block_size=8,
-                checkpoint=ckpt,
-            )
-        return largest
 
-    per_sequence = q.numel()  # B * Hq * L * d_h: the size of an input
-    assert saved_elements(True) <= per_sequence
-    assert saved_elements(False) >= 8 * 48 * 2  # a block's [C, L, |M|] pair tensor
+def test_checkpoint_keeps_no_pair_tensor_for_backward():
+    """With per-block checkpointing nothing of size L x L is saved for backward; without it is."""
+    per_sequence = 1 * 2 * 48 * 8  # B * Hq * L * d_h: the size of an input
+    assert _largest_saved_for_backward(checkpoint=True) <= per_sequence
+    assert _largest_saved_for_backward(checkpoint=False) >= 8 * 48 * 2  # a block's [C, L, |M|] pair tensor
 
 
 def test_block_starts_cover_every_row_once():
@@ -423,34 +416,10 @@ def test_flash_blocks_match_reference(monkeypatch, length, block_size, kv_heads,
 def test_flash_blocks_save_no_pair_tensor(monkeypatch):
     """The compiled path keeps per block only its inputs, output and log-sum-exp for backward."""
     monkeypatch.setattr(blocked_fused, "compiled_pieces", _eager_pieces)
-    q, k, v, A, D, valid = _inputs(batch=1, q_heads=2, kv_heads=2, length=48, seed=47)
-    mlp = _phase(4, seed=47)
-    largest = 0
-
-    def pack(t):
-        nonlocal largest
-        largest = max(largest, t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        blocked_attention(
-            q,
-            k,
-            v,
-            A,
-            D,
-            mlp.params(),
-            tau_max=TAU_MAX,
-            clip_kappa=KAPPA,
-            key_valid=valid,
-            block_size=8,
-            compile=True,
-        )
-    assert largest <= q.numel()
+    per_sequence = 1 * 2 * 48 * 8  # B * Hq * L * d_h: the size of an input
+    assert _largest_saved_for_backward(compile=True) <= per_sequence
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MDLMPE_DS_TEST_COMPILE") != "1", reason="set MDLMPE_DS_TEST_COMPILE=1")
 def test_compiled_regions_match_eager():
     """compile=True gives the eager numbers (tiny shapes; the first call compiles, ~1 min on CPU)."""
     q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=2, length=11, seed=37)

@@ -4,6 +4,7 @@ aggregation. The 2-process runs are in tests/dist/test_pretrain.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,12 +15,12 @@ import torch
 from mdlmpe_ds.compare import ENCODINGS, aggregate, bar_chart, pretrain_command, summary_markdown
 from mdlmpe_ds.config import build_config
 from mdlmpe_ds.data.corpora import NAMED_CORPORA, corpus_text_files, load_packed_corpus
+from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, markdown_table, score_corpus
 from mdlmpe_ds.pretraining import (
     PAPER_GLOBAL_BATCH,
     pretrain_corruption,
     pretrain_defaults,
-    scored_positions,
     sentencepiece_for_corpus,
 )
 
@@ -229,9 +230,7 @@ def test_score_corpus_uses_the_same_masks_for_every_model(tmp_path, assets):
     model = DiffusionLM(config).eval()
     settings = EvalSettings(seq_len=32, max_sequences=6, num_samples=4, batch_size=4)
     a = score_corpus(model, tokenizer, str(corpus), settings, "a")
-    b = score_corpus(
-        model, tokenizer, str(corpus), EvalSettings(**{**settings.__dict__, "batch_size": 6}), "b"
-    )
+    b = score_corpus(model, tokenizer, str(corpus), dataclasses.replace(settings, batch_size=6), "b")
     assert a.nll == pytest.approx(b.nll, rel=1e-6) and a.tokens == b.tokens == 6 * 32
     assert a.ppl_low < a.perplexity < a.ppl_high
     # An untrained model is close to uniform over the vocabulary (paper-free sanity bound).
