@@ -214,12 +214,12 @@ class PretrainTrainer(SFTTrainer):
     def validate(self) -> dict[str, float]:
         """Diffusion-ELBO perplexity of the validation windows. Every rank scores the same windows
         (ZeRO-3 forwards are collective), so no gathering is needed and all ranks agree."""
-        t, family = self.run.train, self.model_config.family
+        t = self.run.train
         self.engine.eval()
         try:
             result = self._elbo(
                 lambda ids, valid: self.engine(ids.to(self.device), valid=valid.to(self.device)),
-                [dict(b, maskable=scored_positions(b["valid"], family)) for b in self.validation],
+                self.validation,
                 self.model_config.mask_token_id,
                 t.eval_samples,
                 t.seed,
@@ -261,7 +261,8 @@ def check_same_stream_on_all_ranks(dataset, source: str) -> None:
 
 
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
-    """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches."""
+    """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
+    with the positions a ``family`` model is scored on (``maskable``)."""
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.pretrain import packed_collate
 
@@ -275,7 +276,10 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
     n = min(t.eval_sequences, len(packed))
     items = [packed[i] for i in range(n)]
-    return [packed_collate(items[i : i + t.micro_batch_size]) for i in range(0, n, t.micro_batch_size)]
+    batches = [packed_collate(items[i : i + t.micro_batch_size]) for i in range(0, n, t.micro_batch_size)]
+    for batch in batches:
+        batch["maskable"] = scored_positions(batch["valid"], family)
+    return batches
 
 
 def run_pretrain(
