@@ -186,32 +186,38 @@ class PairCorrection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # With g = dL/dE of one query head, P = q1 k1 + q2 k2 and Q = q2 k1 - q1 k2 (per i, m, j):
+        #   d alpha += g P,  d beta += g Q,
+        #   d qp[i, (row, m)] = sum_j (g alpha)_imj ka_rmj + (g beta)_imj kb_rmj,
+        #   d ka[row, m, j] = sum_i qp[i, (row, m)] (g alpha)_imj  (kb likewise with g beta).
+        # The sums over i and j are batched matmuls over m on the weighted coefficients, so the
+        # rotated keys and d(rotated) ([B, C, 2, |M|, L] each) are never formed.
         qp, ka, kb, alpha, beta = ctx.saved_tensors
-        batch, rows, num_mdl, length = alpha.shape
-        num_kv = qp.shape[1]
-        a, b = alpha.unsqueeze(2), beta.unsqueeze(2)  # [B, C, 1, |M|, L]
+        batch, rows, num_mdl, _ = alpha.shape
+        num_kv, group = qp.shape[1], qp.shape[3]
         d_alpha, d_beta = torch.zeros_like(alpha), torch.zeros_like(beta)
-        d_qp = torch.empty_like(qp.transpose(0, 1))  # [Ha, B, C, G, 2|M|]
-        d_ka, d_kb = ka.new_empty(num_kv, *ka[:, 0].shape), kb.new_empty(num_kv, *kb[:, 0].shape)
-        rotated = alpha.new_empty(batch, rows, 2, num_mdl, length)
-        d_rot = torch.empty_like(rotated)
-        for g in range(num_kv):
-            grad_g = grad[:, g]  # [B, C, G, L]
-            ka_g, kb_g = ka[:, g].unsqueeze(1), kb[:, g].unsqueeze(1)  # [B, 1, 2, |M|, L]
-            torch.mul(a, ka_g, out=rotated).addcmul_(b, kb_g)
-            flat = (batch, rows, 2 * num_mdl, length)
-            torch.matmul(grad_g, rotated.view(flat).transpose(-1, -2), out=d_qp[g])
-            torch.matmul(qp[:, g].transpose(-1, -2), grad_g, out=d_rot.view(flat))
-            # rotated = alpha ka + beta kb: alpha, beta are shared by the two rows, ka, kb by the C rows.
-            for row in (0, 1):
-                d_alpha.addcmul_(d_rot[:, :, row], ka[:, g, row].unsqueeze(1))
-                d_beta.addcmul_(d_rot[:, :, row], kb[:, g, row].unsqueeze(1))
-            product = rotated  # the rotated keys are used up: reuse their buffer
-            torch.mul(d_rot, a, out=product)
-            torch.sum(product, dim=1, out=d_ka[g])
-            torch.mul(d_rot, b, out=product)
-            torch.sum(product, dim=1, out=d_kb[g])
-        return d_qp.transpose(0, 1), d_ka.transpose(0, 1), d_kb.transpose(0, 1), d_alpha, d_beta
+        d_qp = torch.empty_like(qp)  # [B, Ha, C, G, 2|M|]
+        d_ka, d_kb = torch.zeros_like(ka), torch.zeros_like(kb)  # [B, Ha, 2, |M|, L]
+        weighted_a, weighted_b = torch.empty_like(alpha), torch.empty_like(beta)
+        pair = torch.empty_like(alpha)
+        wa, wb = weighted_a.transpose(1, 2), weighted_b.transpose(1, 2)  # [B, |M|, C, L] views
+        for h in range(num_kv):
+            ka_t, kb_t = ka[:, h].permute(0, 2, 3, 1), kb[:, h].permute(0, 2, 3, 1)  # [B, |M|, L, 2]
+            for g in range(group):
+                grad_g = grad[:, h, :, g].unsqueeze(2)  # [B, C, 1, L]
+                q = qp[:, h, :, g].view(batch, rows, 2, num_mdl, 1)  # [B, C, 2, |M|, 1]
+                torch.mul(alpha, grad_g, out=weighted_a)
+                torch.mul(beta, grad_g, out=weighted_b)
+                d_q = torch.matmul(wa, ka_t).add_(torch.matmul(wb, kb_t))  # [B, |M|, C, 2]
+                d_qp[:, h, :, g] = d_q.permute(0, 2, 3, 1).reshape(batch, rows, 2 * num_mdl)
+                q_t = q.squeeze(-1).permute(0, 3, 2, 1)  # [B, |M|, 2, C]
+                d_ka[:, h] += torch.matmul(q_t, wa).transpose(1, 2)  # [B, 2, |M|, L]
+                d_kb[:, h] += torch.matmul(q_t, wb).transpose(1, 2)
+                for d_coeff, keys in ((d_alpha, ka), (d_beta, kb)):
+                    k_rows = keys[:, h].unsqueeze(1)  # [B, 1, 2, |M|, L]
+                    torch.mul(q[:, :, 0], k_rows[:, :, 0], out=pair).addcmul_(q[:, :, 1], k_rows[:, :, 1])
+                    d_coeff.addcmul_(pair, grad_g)  # pair = P (keys ka) or Q (keys kb)
+        return d_qp, d_ka, d_kb, d_alpha, d_beta
 
 
 def pair_correction(
@@ -279,6 +285,18 @@ def _compiled_regions() -> tuple[Callable[..., tuple[torch.Tensor, ...]], Callab
         torch.compile(pair_coefficients, dynamic=False),
         torch.compile(block_attention, dynamic=False),
     )
+
+
+#: Bytes of one [rows, |M|, L] fp32 slice the eager path aims for: its elementwise passes then
+#: run from the per-core L2 cache instead of L3 / memory (~4x faster per pass on the 2 MiB L2
+#: of the CPUs here; measured: 3.8 s instead of 4.3 s per fwd+bwd at L = 1024, C = 128).
+EAGER_SLICE_BYTES = 2 << 20
+
+
+def _cache_rows(num_mdl: int, length: int) -> int:
+    """Query rows per eager slice: a [rows, |M|, L] fp32 tensor of about EAGER_SLICE_BYTES, >= 8
+    rows so per-op overhead stays small next to the arithmetic."""
+    return max(8, EAGER_SLICE_BYTES // (4 * max(num_mdl, 1) * length))
 
 
 def _block_starts(length: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
@@ -465,8 +483,18 @@ def _pair_path(
         def run_block(
             q_rows: torch.Tensor, a_rows: torch.Tensor, d_rows: torch.Tensor, *params: torch.Tensor
         ):
-            alpha, beta = coefficients(a_rows, d_rows, a_cols, d_cols, *params, tau_max, clip_kappa)
-            return attend(q_rows, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
+            # Eager: the block's rows in cache-sized slices (rows are independent in attention).
+            step = a_rows.shape[1] if compile else _cache_rows(len(pairs), length)
+            pieces = []
+            for lo in range(0, a_rows.shape[1], step):
+                rows = slice(lo, lo + step)
+                alpha, beta = coefficients(
+                    a_rows[:, rows], d_rows[:, rows], a_cols, d_cols, *params, tau_max, clip_kappa
+                )
+                q_slice = q_rows[:, :, :, rows]
+                out = attend(q_slice, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
+                pieces.append(out)
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
 
     outputs = []
     for start, first_new in _block_starts(length, block_size, aligned=compile):
