@@ -24,6 +24,7 @@ LOSS_FAMILIES = ("auto", "llada", "dream")
 DREAM_WEIGHTINGS = ("original", "cart", "linear", "none")
 PRECISIONS = ("auto", "fp32", "bf16")
 MULTITURN = ("last", "expand")
+PERBATCH_CUTOFFS = ("none", "random", "random_with_input_pad")
 TEXT_SPLITS = ("file", "paragraph", "line")
 
 
@@ -61,6 +62,17 @@ class DataConfig:
     multiturn: str = "last"
     # Mark EOS padding invalid (not attended, not in the loss) instead of the official convention.
     attend_padding: bool = True
+    # Dream-train's per-batch cutoff (its OptimizedCollateFunction; data/sft.py SFTCollator). Off
+    # ("none") for both families here; Dream-train's official Tulu-3 recipe turns it on with
+    # "random_with_input_pad": prompts are left-padded to the batch's longest (those pads are never
+    # attended, masked or trained; RoPE and MDLMPE positions start at each row's first real token)
+    # and every response is cut to, or EOS-padded up to, the response length of one row drawn from
+    # the batch, which trains less on EOS padding. "random": every row is cut to the length of one
+    # drawn row. The draw is keyed by the batch (sampler epoch, sample indices): resumable.
+    perbatch_cutoff: str = "none"
+    # Dream-train's resp_cutoff_ratio: the probability, per batch, of also cutting c ~ U{1..m-1}
+    # columns off the end of the batch (m = the smallest answer length in it). 0 = never.
+    resp_cutoff_ratio: float = 0.0
     # ---- pretraining only (launch/pretrain.py; SFT ignores these) ----
     # `dataset` is then a text corpus: a named one of data/corpora.py ("shakespeare", "ptb", ...),
     # local .txt files (comma-separated, or a directory), a local .jsonl/.parquet file or a hub
@@ -161,6 +173,22 @@ class RunConfig:
             raise bad("data.max_len", d.max_len, "must be >= 8")
         if d.multiturn not in MULTITURN:
             raise bad("data.multiturn", d.multiturn, f"must be one of {MULTITURN}")
+        if d.perbatch_cutoff not in PERBATCH_CUTOFFS:
+            raise bad("data.perbatch_cutoff", d.perbatch_cutoff, f"must be one of {PERBATCH_CUTOFFS}")
+        if not 0.0 <= d.resp_cutoff_ratio <= 1.0:
+            raise bad("data.resp_cutoff_ratio", d.resp_cutoff_ratio, "must be in [0, 1] (a probability)")
+        if d.perbatch_cutoff == "random_with_input_pad" and m.position_encoding == "absolute":
+            raise bad(
+                "data.perbatch_cutoff",
+                d.perbatch_cutoff,
+                "needs per-row positions, which the absolute position table does not take",
+            )
+        if d.perbatch_cutoff == "random" and t.block_size is not None:
+            raise bad(
+                "data.perbatch_cutoff",
+                d.perbatch_cutoff,
+                "can cut a row inside its prompt, leaving no response block; use random_with_input_pad",
+            )
         if o.lr is not None and not o.lr > 0:
             raise bad("optim.lr", o.lr, "must be > 0")
         if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):

@@ -163,10 +163,12 @@ class SFTTrainer:
     # ---------------------------------------------------------------- data
     def _batches(self):
         """Per-rank micro-batches forever; the sampler moves to the next epoch by itself and its
-        position (epoch, batches consumed) is what a checkpoint stores."""
+        position (epoch, batches consumed) is what a checkpoint stores. The collator's per-batch
+        cutoff draw is keyed by (epoch, sample indices), so a resumed run redraws it exactly."""
         while True:
             for indices in self.sampler:
-                yield self.collator([self.dataset[i] for i in indices])
+                key = (self.sampler.epoch, *indices)
+                yield self.collator([self.dataset[i] for i in indices], draw_key=key)
 
     # ---------------------------------------------------------------- one update
     def _heads(self, update: int) -> float:
@@ -201,7 +203,7 @@ class SFTTrainer:
                 t.block_size, t.block_context, mask_id, gen, eps=t.noise_eps,
             )  # fmt: skip
             ids, valid, masked, answer_len = noisy.noisy_ids, noisy.valid, noisy.loss_mask, noisy.block_len
-        logits = self.engine(ids, valid=valid)  # [B, L, V]
+        logits = self.engine(ids, valid=valid, positions=batch.get("positions"))  # [B, L, V]
         if self.loss_family == "llada":
             loss, stats = self._llada_loss(logits, batch["input_ids"], masked, noisy.p_mask, answer_len)
         else:
@@ -360,7 +362,10 @@ class SFTTrainer:
     def _probe_logits(self, path: Path) -> None:
         """Test hook: logits of the engine (all heads, eval mode) on the first examples, saved by
         rank 0, to compare with an exported-and-reloaded model (tests/dist)."""
-        batch = self.collator([self.dataset[i] for i in range(min(2, len(self.dataset)))])
+        indices = list(range(min(2, len(self.dataset))))
+        batch = self.collator([self.dataset[i] for i in indices], draw_key=(0, *indices))
+        if "positions" in batch:
+            raise RuntimeError(f"{PROBE_LOGITS} compares position-free forwards; run it without left padding")
         self.engine.eval()
         with torch.no_grad():
             logits = self.engine(batch["input_ids"].to(self.device), valid=batch["valid"].to(self.device))
@@ -661,7 +666,12 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     sampler = LengthGroupedSampler(lengths, t.micro_batch_size, rank=rank, world_size=world, seed=t.seed)
     total = total_updates_for(run, len(sampler))
     collator = SFTCollator(
-        eos_pad_id(tokenizer), max_len=run.data.max_len, attend_padding=run.data.attend_padding
+        eos_pad_id(tokenizer),
+        max_len=run.data.max_len,
+        attend_padding=run.data.attend_padding,
+        perbatch_cutoff=run.data.perbatch_cutoff,
+        resp_cutoff_ratio=run.data.resp_cutoff_ratio,
+        seed=t.seed,
     )
     engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
     if engine is None:

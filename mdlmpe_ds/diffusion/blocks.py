@@ -89,11 +89,11 @@ def block_sft_corrupt(
     """Block-diffusion SFT corruption: one active block per example (paper §3.4, §4.4).
 
     Inputs are ``SFTCollator``'s tensors ([B, L]): the response (``maskable``) must be one contiguous
-    run starting right after the prompt. Per row: the response is cut into blocks of ``block_size``
-    from its first token, an active block k ~ U{0..n-1} is drawn, earlier blocks stay clean, the
-    active block is corrupted by ``corruption.corrupt`` (t ~ U(eps, 1)), and later blocks are
-    replaced by the mask token (the clean future is never fed to the model) and, for ``blocked``,
-    made invalid. The loss covers only the active block's masked tokens.
+    run starting right after the prompt (left padding may precede the prompt). Per row: the response
+    is cut into blocks of ``block_size`` from its first token, an active block k ~ U{0..n-1} is
+    drawn, earlier blocks stay clean, the active block is corrupted by ``corruption.corrupt``
+    (t ~ U(eps, 1)), and later blocks are replaced by the mask token (the clean future is never fed
+    to the model) and, for ``blocked``, made invalid. The loss covers only the active block's masked tokens.
 
     Draws from ``generator``: the active block per row ([B] uniforms) first, then ``corrupt``'s.
     """
@@ -109,10 +109,10 @@ def block_sft_corrupt(
     B, L = input_ids.shape
     device = input_ids.device
     maskable, prompt_mask, valid = maskable.bool(), prompt_mask.bool(), valid.bool()
-    # 1. Response layout per row: [P, P + R).
-    start = prompt_mask.sum(1)  # [B]
-    length = maskable.sum(1)  # [B]
+    # 1. Response layout per row: [S, S + R), S the position after the prompt (after any left pads).
     pos = torch.arange(L, device=device)[None, :]  # [1, L]
+    start = torch.where(prompt_mask, pos + 1, 0).amax(1)  # [B]
+    length = maskable.sum(1)  # [B]
     rel = pos - start[:, None]  # [B, L] offset inside the response
     expected = (rel >= 0) & (rel < length[:, None])  # [B, L]
     if not torch.equal(expected, maskable):

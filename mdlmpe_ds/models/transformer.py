@@ -57,8 +57,9 @@ class SwiGLU(nn.Module):
 
 
 class LayerContext:
-    """What every layer of one forward shares, computed once: rotary cos/sin [L, F], key validity
-    [B, L] (None = all valid), the MDLMPE features, and the ALiBi bias [B|1, H, L, L]."""
+    """What every layer of one forward shares, computed once: rotary cos/sin [L, F] (per row
+    [B, 1, L, F] when positions are given), key validity [B, L] (None = all valid), the MDLMPE
+    features, and the ALiBi bias [B|1, H, L, L]."""
 
     __slots__ = ("alibi", "cos", "features", "key_valid", "sin")
 
@@ -175,14 +176,15 @@ class InputEmbedding(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, valid: torch.Tensor | None
+        self, input_ids: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, AvailabilityFeatures | None]:
         x = self.tokens(input_ids)  # [B, L, d]
         if self.positions is not None:
             x = self.positions(x)
         features = None
         if self.mdlmpe is not None:
-            features = self.mdlmpe.features(input_ids, valid)  # b, a [B, L]; A, D [B, L, F] fp32
+            # b, a [B, L]; A, D [B, L, F] fp32; the basis is indexed by `positions` when given
+            features = self.mdlmpe.features(input_ids, valid, positions)
             x = self.mdlmpe.embed(x, features)
         return x, features
 
@@ -207,13 +209,23 @@ class DiffusionLM(nn.Module):
 
     # --- forward ---
     def forward(
-        self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, raw: bool = False
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        raw: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, L, V] in the parameter dtype, aligned so that logit i predicts token i.
 
         ``valid`` [B, L] bool marks positions attention may see (False: padding, or future blocks in
         blocked block diffusion); for MDLMPE it is also a_t. Dream's raw logits are next-token
         aligned and are re-aligned here with ``cat(l[:, :1], l[:, :-1])`` unless ``raw=True``.
+
+        ``positions`` [B, L] long (default: 0..L-1 in every row) are the token positions t of RoPE
+        and of the MDLMPE basis c_t, e.g. 0 at the first real token of a left-padded row (Dream
+        forms position ids as cumsum(attention_mask) - 1), so the real tokens get the logits of the
+        unpadded row. ALiBi needs none (its bias depends on i - j only); the absolute table rejects
+        them.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -224,11 +236,16 @@ class DiffusionLM(nn.Module):
                 )
             valid = valid.bool()
         length, cfg = input_ids.shape[1], self.config
-        x, features = self.embed(input_ids, valid)
+        if positions is not None:
+            positions = self._check_positions(positions, input_ids)
+        x, features = self.embed(input_ids, valid, positions)
         key_valid = None if valid is None or bool(valid.all()) else valid
         ctx = LayerContext(key_valid=key_valid, features=features)
-        if cfg.uses_rotary:
+        if cfg.uses_rotary and positions is None:
             ctx.cos, ctx.sin = rotary_angles(length, cfg.head_dim, cfg.rope_theta, input_ids.device)  # [L, F]
+        elif cfg.uses_rotary:
+            cos, sin = rotary_angles(int(positions.max()) + 1, cfg.head_dim, cfg.rope_theta, input_ids.device)
+            ctx.cos, ctx.sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, L, F]
         if cfg.position_encoding == "alibi":
             ctx.alibi = alibi_bias(length, cfg.num_heads, key_valid, input_ids.device)  # [B|1, H, L, L]
         for layer in self.layers:
@@ -240,6 +257,16 @@ class DiffusionLM(nn.Module):
         if cfg.shift_logits and not raw:
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
         return logits
+
+    def _check_positions(self, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.config.position_encoding == "absolute":
+            raise ValueError("the absolute position table takes no per-row positions; pass positions=None")
+        if positions.shape != input_ids.shape:
+            shapes = f"{tuple(positions.shape)} vs input_ids {tuple(input_ids.shape)}"
+            raise ValueError(f"positions must have the shape of input_ids: {shapes}")
+        if positions.dtype.is_floating_point or bool((positions < 0).any()):
+            raise ValueError("positions must be non-negative integers")
+        return positions.long()
 
     # --- MDLMPE controls ---
     def set_active_kv_heads(self, mask: torch.Tensor) -> None:

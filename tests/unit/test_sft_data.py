@@ -337,6 +337,239 @@ def test_collate_real_examples_pads_with_eos(tmp_path, llada_tok):
     assert int(out["prompt_mask"][short].sum()) == ds[short].prompt_len
 
 
+# ---------------------------------------------------------------------------------------- per-batch cutoff
+
+# pad = EOS = 0. Prompts of 3, 1, 2 tokens; response bodies of 4, 2, 6 tokens, each ending with EOS.
+INPUT_PAD = "random_with_input_pad"
+CUT_BATCH = [
+    SFTExample([11, 12, 13, 21, 22, 23, 24, 0], 3),
+    SFTExample([11, 31, 32, 0], 1),
+    SFTExample([11, 12, 41, 42, 43, 44, 45, 46, 0], 2),
+]
+
+
+def _key_drawing(collator, width, batch=CUT_BATCH):
+    """A draw key whose collation has ``width`` columns (the cutoff draw is one of three rows)."""
+    for key in range(200):
+        if collator(batch, draw_key=(0, key))["input_ids"].shape[1] == width:
+            return (0, key)
+    raise AssertionError(f"no key in 200 gives width {width}")
+
+
+def test_random_with_input_pad_layout():
+    collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, seed=3)
+    # The common response length is one of the batch's bodies (EOS excluded): width 3 + {4, 2, 6}.
+    widths = {collator(CUT_BATCH, draw_key=(0, k))["input_ids"].shape[1] for k in range(40)}
+    assert widths == {7, 5, 9}
+    out = collator(CUT_BATCH, draw_key=_key_drawing(collator, 7))  # row 0's body (4) drawn
+    assert out["input_ids"].tolist() == [
+        [11, 12, 13, 21, 22, 23, 24],  # the drawn row ends without its EOS, as in Dream-train
+        [0, 0, 11, 31, 32, 0, 0],  # 2 left pads; response + EOS padded up to 4
+        [0, 11, 12, 41, 42, 43, 44],  # 1 left pad; response cut to 4
+    ]
+    assert out["valid"].int().tolist() == [[1] * 7, [0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]]
+    prompts = [[1, 1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0]]
+    assert out["prompt_mask"].int().tolist() == prompts
+    assert out["maskable"].int().tolist() == [[0, 0, 0, 1, 1, 1, 1]] * 3  # never a left pad or prompt
+    assert out["answer_len"].tolist() == [4, 4, 4] and out["seq_len"].tolist() == [7, 4, 6]
+    assert out["positions"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4, 5]]
+
+    strict = SFTCollator(pad_id=0, attend_padding=False, perbatch_cutoff=INPUT_PAD, seed=3)
+    out = strict(CUT_BATCH, draw_key=_key_drawing(strict, 9))  # row 2's body (6) drawn
+    assert out["input_ids"][1].tolist() == [0, 0, 11, 31, 32, 0, 0, 0, 0]
+    assert out["valid"][1].int().tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0]  # its own EOS is real
+    assert out["maskable"].int().tolist() == [
+        [0, 0, 0, 1, 1, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1],
+    ]
+    assert out["answer_len"].tolist() == [5, 3, 6]
+
+    # Prompt 6 + body 1, prompt 2 + body 6: drawing 6 would give 6 + 6 > max_len; capped at 9 - 6.
+    long_prompt = [SFTExample([11, 12, 13, 14, 15, 16, 51, 0], 6), CUT_BATCH[2]]
+    capped = SFTCollator(pad_id=0, max_len=9, perbatch_cutoff=INPUT_PAD)
+    assert {capped(long_prompt, draw_key=(1, k))["input_ids"].shape[1] for k in range(40)} == {7, 9}
+    out = capped(long_prompt, draw_key=_key_drawing(capped, 9, long_prompt))
+    assert out["input_ids"][1].tolist() == [0, 0, 0, 0, 11, 12, 41, 42, 43]
+
+
+def test_random_cutoff_cuts_every_row_to_one_drawn_length():
+    collator = SFTCollator(pad_id=0, perbatch_cutoff="random")
+    out = collator(CUT_BATCH, draw_key=_key_drawing(collator, 8))  # row 2: 2 + 6 tokens
+    assert out["input_ids"].tolist() == [
+        [11, 12, 13, 21, 22, 23, 24, 0],
+        [11, 31, 32, 0, 0, 0, 0, 0],
+        [11, 12, 41, 42, 43, 44, 45, 46],
+    ]
+    assert out["valid"].all() and "positions" not in out
+    assert out["answer_len"].tolist() == [5, 7, 6]
+    out = collator(CUT_BATCH, draw_key=_key_drawing(collator, 3))  # row 1: 1 + 2 tokens
+    assert out["input_ids"].tolist() == [[11, 12, 13], [11, 31, 32], [11, 12, 41]]
+    assert out["prompt_mask"][0].all() and out["answer_len"].tolist() == [0, 2, 1]  # row 0 cut in its prompt
+
+
+def test_cutoff_draw_is_keyed_by_the_batch_only():
+    collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=0.5, seed=3)
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    first = collator(CUT_BATCH, draw_key=(2, 7, 8, 9))
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is never used
+    torch.manual_seed(123)
+    again = collator(CUT_BATCH, draw_key=(2, 7, 8, 9))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    shapes = {collator(CUT_BATCH, draw_key=(e, 7, 8, 9))["input_ids"].shape[1] for e in range(40)}
+    assert len(shapes) >= 4  # another epoch (or other samples): other draws
+    other_seed = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=0.5, seed=4)
+
+    def widths(c):
+        return [c(CUT_BATCH, draw_key=(e, 7, 8, 9))["input_ids"].shape[1] for e in range(40)]
+
+    assert widths(other_seed) != widths(collator)
+
+
+def test_resp_cutoff_chops_the_tail_and_keeps_an_answer_token():
+    plain = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD)
+    always = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=1.0)
+    cuts = set()
+    for k in range(30):
+        full, cut = plain(CUT_BATCH, draw_key=(0, k)), always(CUT_BATCH, draw_key=(0, k))
+        width, shortest = cut["input_ids"].shape[1], int(full["answer_len"].min())
+        assert 1 <= full["input_ids"].shape[1] - width <= shortest - 1  # c ~ U{1 .. m-1}
+        cuts.add(full["input_ids"].shape[1] - width)
+        for key in ("input_ids", "prompt_mask", "maskable", "valid", "positions"):
+            assert torch.equal(cut[key], full[key][:, :width])
+        assert cut["answer_len"].min() >= 1
+    assert len(cuts) > 1
+    tail_only = SFTCollator(pad_id=0, resp_cutoff_ratio=1.0)  # also without a per-batch cutoff
+    assert tail_only(CUT_BATCH, draw_key=(0, 0))["input_ids"].shape[1] < 9
+
+
+def test_block_diffusion_accepts_left_padded_rows():
+    from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
+
+    collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD)
+    out = collator(CUT_BATCH, draw_key=_key_drawing(collator, 9))
+    c = block_sft_corrupt(
+        out["input_ids"], out["prompt_mask"], out["maskable"], out["valid"], 2, "blocked", 99,
+        torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert (c.block_start - 2 * c.active_block).tolist() == [3, 3, 3]  # responses start after the prompts
+    assert not (c.valid & ~out["valid"]).any() and not (c.loss_mask & ~out["maskable"]).any()
+    assert torch.equal(c.noisy_ids[~out["maskable"]], out["input_ids"][~out["maskable"]])
+
+
+def test_cutoff_off_is_todays_collation():
+    default = SFTCollator(pad_id=0)(CUT_BATCH)
+    off_collator = SFTCollator(pad_id=0, perbatch_cutoff="none", resp_cutoff_ratio=0.0, seed=9)
+    off = off_collator(CUT_BATCH, draw_key=(5, 1))
+    assert set(off) == {"input_ids", "prompt_mask", "maskable", "valid", "answer_len", "seq_len"}
+    assert all(torch.equal(off[k], default[k]) and off[k].dtype == default[k].dtype for k in default)
+    assert off["input_ids"][1].tolist() == [11, 31, 32, 0, 0, 0, 0, 0, 0] and off["valid"].all()
+    assert off["seq_len"].tolist() == [8, 4, 9] and off["answer_len"].tolist() == [6, 8, 7]
+
+
+def test_cutoff_settings_are_checked():
+    with pytest.raises(ValueError, match="needs draw_key"):
+        SFTCollator(pad_id=0, perbatch_cutoff="random")(CUT_BATCH)
+    with pytest.raises(ValueError, match="perbatch_cutoff must be one of"):
+        SFTCollator(pad_id=0, perbatch_cutoff="longest")
+    with pytest.raises(ValueError, match="pad_to_multiple_of cannot"):
+        SFTCollator(pad_id=0, pad_to_multiple_of=8, resp_cutoff_ratio=0.1)
+    from mdlmpe_ds.config import RunConfig
+
+    for overrides, message in (
+        ({"data.perbatch_cutoff": "longest"}, "must be one of"),
+        ({"data.resp_cutoff_ratio": 1.5}, r"must be in \[0, 1\]"),
+        ({"data.perbatch_cutoff": INPUT_PAD, "model.position_encoding": "absolute"}, "absolute"),
+        ({"data.perbatch_cutoff": "random", "train.block_size": 4}, "inside its prompt"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RunConfig.from_dict(overrides).validate()
+    RunConfig.from_dict({"data.perbatch_cutoff": "random_with_input_pad", "train.block_size": 4}).validate()
+
+
+def test_trainer_batches_redraw_the_same_cutoff_after_resume():
+    from mdlmpe_ds.data.sampler import LengthGroupedSampler
+    from mdlmpe_ds.trainer import SFTTrainer
+
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(12):
+        prompt, response = torch.randint(1, 6, (2,), generator=g).tolist()
+        examples.append(SFTExample([*range(1, prompt + response + 1), 0], prompt))
+    lengths = [len(ex.input_ids) for ex in examples]
+
+    def trainer(sampler_state=None):
+        sampler = LengthGroupedSampler(lengths, 2, seed=5, mega_batch_mult=2)
+        if sampler_state is not None:
+            sampler.load_state_dict(sampler_state)
+        t = SFTTrainer.__new__(SFTTrainer)  # only the data path: no engine
+        t.dataset, t.sampler = examples, sampler
+        t.collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=0.5, seed=1)
+        return t
+
+    straight = trainer()
+    batches = straight._batches()
+    head = [next(batches) for _ in range(4)]
+    state = straight.sampler.state_dict()
+    tail = [next(batches) for _ in range(10)]  # runs into the next epochs
+    resumed = trainer(state)._batches()
+    for expected in tail:
+        got = next(resumed)
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert len({b["input_ids"].shape for b in head + tail}) > 1
+
+
+@pytest.mark.parametrize(
+    ("family", "encoding"), [("llada", "rope"), ("llada", "mdlmpe"), ("dream", "mdlmpe"), ("dream", "alibi")]
+)
+def test_left_padded_rows_give_the_unpadded_logits(family, encoding):
+    from mdlmpe_ds.models import DiffusionLM, preset
+
+    torch.manual_seed(0)
+    config = preset(f"{family}-tiny", position_encoding=encoding, mdlmpe={"backend": "reference"})
+    model = DiffusionLM(config).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.attn.phase is not None:  # a non-zero phase residual, so MDLMPE's geometry is used
+                torch.nn.init.normal_(layer.attn.phase.fc2.weight, std=0.5)
+    eos, mask = config.eos_token_id, config.mask_token_id
+    batch = [
+        SFTExample([5, 6, 7, 8, 9, mask, 20, mask, 22, eos], 5),
+        SFTExample([5, 6, mask, 31, eos], 2),
+        SFTExample([5, 6, 7, 40, mask, 42, 43, eos], 3),
+    ]
+    collator = SFTCollator(pad_id=eos, perbatch_cutoff=INPUT_PAD)
+    out = next(
+        o for k in range(50) if (o := collator(batch, draw_key=(0, k)))["input_ids"].shape[1] == 5 + 4
+    )  # 2 and 3 left pads, responses of 4
+    assert (~out["valid"]).sum(1).tolist() == [0, 3, 2]
+    with torch.no_grad():
+        padded = model(out["input_ids"], out["valid"], raw=True, positions=out["positions"])
+        unpositioned = model(out["input_ids"], out["valid"], raw=True)
+        for row, pads in enumerate((~out["valid"]).sum(1).tolist()):
+            alone = model(out["input_ids"][row : row + 1, pads:], raw=True)[0]
+            # fp32; the padded row sums extra exact zeros in the softmax and matmuls: round-off only
+            torch.testing.assert_close(padded[row, pads:], alone, atol=2e-5, rtol=0)
+            if encoding == "mdlmpe" and pads:  # the basis c_t is absolute: without positions it shifts
+                assert (unpositioned[row, pads:] - alone).abs().max() > 1e-4
+    if encoding == "mdlmpe":
+        torch.testing.assert_close(padded[0], unpositioned[0], atol=0, rtol=0)  # no pads: same path
+
+
+def test_positions_are_checked_by_the_model():
+    from mdlmpe_ds.models import DiffusionLM, preset
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="absolute"):
+        DiffusionLM(preset("llada-tiny", position_encoding="absolute"))(ids, positions=torch.arange(4)[None])
+    model = DiffusionLM(preset("llada-tiny", position_encoding="rope"))
+    with pytest.raises(ValueError, match="non-negative"):
+        model(ids, positions=torch.tensor([[-1, 0, 1, 2]]))
+    with pytest.raises(ValueError, match="shape"):
+        model(ids, positions=torch.arange(3)[None])
+
+
 # ---------------------------------------------------------------------------------------------- real data
 
 
