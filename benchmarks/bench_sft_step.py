@@ -5,9 +5,12 @@ plain RoPE path, same model, same batch, same corruption, in one run.
     python benchmarks/bench_sft_step.py --compile            # same, MDLMPE's blocked path compiled
     python benchmarks/bench_sft_step.py --preset llada-100m --seq_len 1024 --batch 8   # on a GPU
 
-Each variant runs in its own subprocess so peak memory is measured cleanly: on CUDA
-torch.cuda.max_memory_allocated of the step; on CPU the growth of the process's peak RSS over the
-RSS just before the first step (the step's working set: activations, gradients, optimizer state).
+Each variant runs in its own subprocesses. Time: median of --steps timed steps after 2 warm-ups.
+Peak memory of one step after the warm-ups: on CUDA torch.cuda.max_memory_allocated above the
+memory allocated before it; on CPU, in a separate process where every allocation >= 64 KiB is
+mmapped (so freed memory leaves RSS; this slows allocation, hence not the timing process), the
+peak RSS (VmHWM, reset through /proc/self/clear_refs just before the step) above the RSS before it:
+activations, gradients and transients; the optimizer state already exists.
 The step runs on the bare module (no DeepSpeed: the engine's per-step overhead is the same for both
 encodings). The vocabulary defaults to 4,096 so the LM head does not hide the attention cost; pass
 --vocab 151680 for the demo's Qwen2.5 vocabulary. Median of --steps timed steps after 2 warm-ups.
@@ -19,16 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def status_kb(field: str) -> int:
+    """A kB field of /proc/self/status (VmRSS: resident now, VmHWM: peak since the last reset)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -73,12 +79,22 @@ def worker(args: argparse.Namespace) -> dict:
 
     for i in range(2):
         step(i)  # warm-up (also allocates the optimizer state)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = rss_mb()
+    result = {"pe": args.pe, "device": device.type, "params": sum(p.numel() for p in model.parameters())}
+    if args.measure == "memory":
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(2)
+            torch.cuda.synchronize()
+            result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        else:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # reset VmHWM to the current RSS
+            base = status_kb("VmRSS")
+            step(2)
+            result["peak_mb"] = (status_kb("VmHWM") - base) / 1024
+        return result
     times = []
     for i in range(args.steps):
         start = time.perf_counter()
@@ -86,19 +102,8 @@ def worker(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20 - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     median = statistics.median(times)
-    return {
-        "pe": args.pe,
-        "step_s": median,
-        "tokens_per_s": args.batch * args.seq_len / median,
-        "peak_mb": peak,
-        "device": device.type,
-        "params": sum(p.numel() for p in model.parameters()),
-    }
+    return {**result, "step_s": median, "tokens_per_s": args.batch * args.seq_len / median}
 
 
 def main() -> int:
@@ -117,6 +122,7 @@ def main() -> int:
         help="MDLMPE blocked backend through torch.compile (compiled in the warm-up steps, not timed)",
     )
     parser.add_argument("--pe", default=None, help=argparse.SUPPRESS)  # internal: worker mode
+    parser.add_argument("--measure", default="time", help=argparse.SUPPRESS)  # internal: time | memory
     args = parser.parse_args()
     if args.pe is not None:
         print(json.dumps(worker(args)))
@@ -124,9 +130,12 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {}
     for pe in ("rope", "mdlmpe"):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--pe", pe]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        results[pe] = json.loads(out)
+        results[pe] = {}
+        for measure in ("time", "memory"):
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if measure == "memory" else None
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--pe", pe, "--measure", measure]
+            run = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            results[pe].update(json.loads(run.stdout.strip().splitlines()[-1]))
         r = results[pe]
         print(
             f"{pe:7s} step {r['step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "

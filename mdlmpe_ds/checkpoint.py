@@ -179,12 +179,16 @@ def read_saved_run(path: Path) -> SavedRun:
     )
 
 
+#: Model config keys that change how a step is computed, not the model: a run may resume with others.
+RUNTIME_MODEL_KEYS = ("gradient_checkpointing", "recompute_mdlmpe_attention")
+
+
 def check_same_model(saved: SavedRun, model_config: dict[str, Any]) -> None:
     """Fail fast (before DeepSpeed reads any shard) when the checkpoint is from another model."""
     diffs = [
         f"{key}: checkpoint {saved.model_config.get(key)!r} vs run {model_config.get(key)!r}"
         for key in sorted(set(saved.model_config) | set(model_config))
-        if key != "gradient_checkpointing" and saved.model_config.get(key) != model_config.get(key)
+        if key not in RUNTIME_MODEL_KEYS and saved.model_config.get(key) != model_config.get(key)
     ]
     if diffs:
         raise ValueError(

@@ -46,6 +46,9 @@ class ModelChoice:
     # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"backend": "reference", "tau_max": 0.2}.
     mdlmpe: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = True
+    # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
+    # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
+    recompute_mdlmpe_attention: bool = False
 
 
 @dataclass

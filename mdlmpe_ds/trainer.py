@@ -491,7 +491,11 @@ def model_config_for(run: RunConfig, tokenizer):
 
     m = run.model
     mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": run.data.max_len, **m.mdlmpe})
-    common = {"position_encoding": m.position_encoding, "gradient_checkpointing": m.gradient_checkpointing}
+    common = {
+        "position_encoding": m.position_encoding,
+        "gradient_checkpointing": m.gradient_checkpointing,
+        "recompute_mdlmpe_attention": m.recompute_mdlmpe_attention,
+    }
     if m.model_name_or_path is not None:
         from mdlmpe_ds.models.hf_io import read_hf_config
 

@@ -21,9 +21,12 @@ O(C L F) extra live memory instead of O(L^2 F). Inactive heads never enter the p
 are plain RoPE SDPA over the whole sequence.
 
 Eager (the default) runs region 1 and E through autograd Functions with hand-written backward
-passes (:class:`PairCoefficients`, :class:`PairCorrection`) that keep few intermediates and work
-in place: ~1 KB per (i, j) pair of transient memory at d_h = 64 instead of ~1.4 KB through
-plain autograd. ``compile=True`` (with ``checkpoint``, the default) runs each block as one
+passes (:class:`PairCoefficients`, :class:`PairCorrection`) that keep few intermediates and make
+few passes over the [rows, width, L] tensors, and caps its blocks at the rows that keep those
+tensors in the per-core L2 cache (:func:`_cache_rows`; C is then an upper bound): on CPU a pass
+from L2 is ~4x faster than from L3, and a block's recompute is still cached when its backward
+runs. Measured at L = 1024, toy layer: ~0.6 KB of extra memory per (i, j) of a C = 128 block.
+``compile=True`` (with ``checkpoint``, the default) runs each block as one
 flash-style autograd Function of :mod:`mdlmpe_ds.attention.blocked_fused` instead: torch.compile
 graphs for region 1, its hand-derived backward, and region 2 forward / backward; a block keeps
 only its output and log-sum-exp for backward, like a checkpointed block, and costs ~half as much
@@ -94,66 +97,88 @@ def pair_coefficients(
 
 class PairCoefficients(torch.autograd.Function):
     """Region 1 with a hand-written backward (the eager path): same maths as
-    :func:`pair_coefficients`, computed in place and keeping for backward only the five
-    intermediates it needs (s, SiLU output and slope, tanh output; the arccos slope, r and the
-    denominator only when A, D need gradients, i.e. with the learned coordinate). Autograd keeps
-    ~10 (~1.2 KB per (i, j) at F = 32). Under per-block checkpointing nothing of it outlives the
-    block; the first forward's saves are dropped and the recompute's are used once.
+    :func:`pair_coefficients`, arranged for few passes over the [B, C, width, L] tensors, since on
+    CPU each pass costs about as much as the arithmetic (this runs twice per block under
+    checkpointing, so work moves to the backward, which runs once):
+
+    - x = 2r - 1 = (e_i + e_j) / (D_i + D_j) with e = 2A - D (per row / column, O(L F)), and
+      s = -arcsin(clip(x)) = arccos(clip(x)) - pi / 2, with the sign folded into W1;
+    - the biases ride along as a row of ones appended to s and to the SiLU output, so each MLP
+      layer is one matmul and the backward's bias gradients are the last column of the weight ones;
+    - the SiLU slope sigmoid(u) (1 + u (1 - sigmoid(u))) = g + h - h g (g = sigmoid(u), h = u g) is
+      formed in backward from the saved g and h; u itself is not kept.
+
+    Saved for backward: arcsin(x) with its ones row, g, h with its ones row, tanh output (and x,
+    D_i + D_j when A, D need gradients, i.e. with the learned coordinate): ~1 KB per (i, j) at
+    F = 32 less than autograd keeps. Under per-block checkpointing nothing outlives the block.
     """
 
     @staticmethod
     def forward(ctx, a_rows, d_rows, a_cols, d_cols, w1, b1, w2, b2, tau_max, clip_kappa):
         need_ad = any(ctx.needs_input_grad[:4])
-        # 1. r = num / denom, x = clip(2r - 1), s = arccos(x) - pi/2 = -arcsin(x) (Eqs. 4-5). [B, C, F, L]
-        denom = d_rows.unsqueeze(-1) + d_cols.unsqueeze(1)
-        r = (a_rows.unsqueeze(-1) + a_cols.unsqueeze(1)).div_(denom)
-        x = r.mul(2.0).sub_(1.0)
-        inside = (x >= -1.0 + clip_kappa) & (x <= 1.0 - clip_kappa) if need_ad else None
-        x.clamp_(-1.0 + clip_kappa, 1.0 - clip_kappa)
-        s = torch.asin(x).neg_()  # = arccos(x) - pi/2, same derivative; ~2x cheaper than acos on CPU
-        ad_saved = ()
-        if need_ad:  # ds/dr = -2 / sqrt(1 - x^2) where the clip passes gradient, 0 where it clips
-            ad_saved = (r, denom, x.mul_(x).neg_().add_(1.0).rsqrt_().mul_(-2.0).mul_(inside))
-        del x, inside
-        # 2. Phase MLP; SiLU' = sigmoid(u) (1 + u (1 - sigmoid(u))) (Eq. phase_mlp).     [B, C, H, L]
-        u = torch.matmul(w1, s).add_(b1.unsqueeze(-1))
+        batch, rows, num_pairs = a_rows.shape
+        length, hidden_width = a_cols.shape[-1], w1.shape[0]
+        # 1. x = (e_i + e_j) / (D_i + D_j), clipped; arcsin(x) = -s (Eqs. 4-5).      [B, C, F + 1, L]
+        denom = d_rows.unsqueeze(-1) + d_cols.unsqueeze(1)  # [B, C, F, L]
+        asin_x = a_rows.new_empty(batch, rows, num_pairs + 1, length)
+        x = asin_x[:, :, :num_pairs]
+        if need_ad:  # as 2r - 1, the reference's rounding: d arcsin is steep next to the clip
+            torch.add(a_rows.unsqueeze(-1), a_cols.unsqueeze(1), out=x).div_(denom).mul_(2.0).sub_(1.0)
+        else:
+            torch.add((2.0 * a_rows - d_rows).unsqueeze(-1), (2.0 * a_cols - d_cols).unsqueeze(1), out=x)
+            x.div_(denom)
+        ad_saved = (x.clone(), denom) if need_ad else ()
+        del denom
+        x.clamp_(-1.0 + clip_kappa, 1.0 - clip_kappa).asin_()
+        asin_x[:, :, num_pairs].fill_(1.0)  # the bias row
+        # 2. u = W1 s + b1 = [-W1 | b1] [arcsin x; 1]; h = SiLU(u) = u g (Eq. phase_mlp).  [B, C, H, L]
+        u = torch.matmul(torch.cat((-w1, b1.unsqueeze(1)), dim=1), asin_x)
         gate = torch.sigmoid(u)
-        hidden = u * gate
-        silu_slope = u.mul_(1.0 - gate).add_(1.0).mul_(gate)
-        del u, gate
-        t = torch.tanh(torch.matmul(w2, hidden).add_(b2.unsqueeze(-1)))  # [B, C, |M|, L]
-        # 3. alpha = -2 sin^2(delta / 2) (no cancellation for small delta), beta = sin(delta).
+        hidden = u.new_empty(batch, rows, hidden_width + 1, length)
+        torch.mul(u, gate, out=hidden[:, :, :hidden_width])
+        hidden[:, :, hidden_width].fill_(1.0)
+        del u
+        # 3. t = tanh(W2 h + b2), delta = tau_max t; alpha = -2 sin^2(delta / 2) (no cancellation for
+        # small delta), beta = sin(delta).                                               [B, C, |M|, L]
+        t = torch.matmul(torch.cat((w2, b2.unsqueeze(1)), dim=1), hidden).tanh_()
         delta = t * tau_max
         beta = torch.sin(delta)
         alpha = delta.mul_(0.5).sin_().square_().mul_(-2.0)
-        ctx.save_for_backward(w1, w2, s, hidden, silu_slope, t, *ad_saved)
-        ctx.tau_max = tau_max
+        ctx.save_for_backward(w1, w2, asin_x, gate, hidden, t, *ad_saved)
+        ctx.tau_max, ctx.clip_kappa = tau_max, clip_kappa
         return alpha, beta
 
     @staticmethod
     def backward(ctx, grad_alpha, grad_beta):
-        w1, w2, s, hidden, silu_slope, t, *ad_saved = ctx.saved_tensors
-        tau_max = ctx.tau_max
+        w1, w2, asin_x, gate, hidden, t, *ad_saved = ctx.saved_tensors
+        tau_max, num_pairs, hidden_width = ctx.tau_max, w1.shape[1], w1.shape[0]
         # 1. d alpha/d delta = -sin(delta), d beta/d delta = cos(delta); tanh' = 1 - t^2. [B, C, |M|, L]
         delta = t * tau_max
         sin_delta = torch.sin(delta)
         grad_z = delta.cos_().mul_(grad_beta).addcmul_(sin_delta, grad_alpha, value=-1.0)
         del sin_delta
         grad_z.mul_(1.0 - t * t).mul_(tau_max)
-        grad_w2 = torch.matmul(grad_z, hidden.transpose(-1, -2)).sum(dim=(0, 1))  # [|M|, H]
-        grad_b2 = grad_z.sum(dim=(0, 1, 3))
-        # 2. Through the SiLU layer.                                                     [B, C, H, L]
-        grad_u = torch.matmul(w2.transpose(0, 1), grad_z).mul_(silu_slope)
+        grad_w2b = torch.matmul(grad_z, hidden.transpose(-1, -2)).sum(dim=(0, 1))  # [|M|, H + 1]
+        # 2. Through the SiLU layer: slope = g + h - h g.                                 [B, C, H, L]
+        h = hidden[:, :, :hidden_width]
+        grad_u = torch.matmul(w2.transpose(0, 1), grad_z)
         del grad_z
-        grad_w1 = torch.matmul(grad_u, s.transpose(-1, -2)).sum(dim=(0, 1))  # [H, F]
-        grad_b1 = grad_u.sum(dim=(0, 1, 3))
+        grad_u.mul_(torch.addcmul(h, h, gate, value=-1.0).add_(gate))
+        grad_w1b = torch.matmul(grad_u, asin_x.transpose(-1, -2)).sum(dim=(0, 1))  # [H, F + 1]
         grads_ad = (None, None, None, None)
         if ad_saved:
-            # 3. Through s(r) and r = num / denom: d r/d num = 1/denom, d r/d denom = -r/denom.
-            r, denom, slope = ad_saved
-            grad_num = torch.matmul(w1.transpose(0, 1), grad_u).mul_(slope).div_(denom)  # [B, C, F, L]
-            grad_den = -(grad_num * r)
-            grads_ad = (grad_num.sum(-1), grad_den.sum(-1), grad_num.sum(1), grad_den.sum(1))
+            # 3. Through s = -arcsin(clip(x)) and x = (e_i + e_j) / denom, e = 2A - D:
+            #    dx/dA = 2 / denom, dx/dD = -(1 + x) / denom; the clip passes no gradient.
+            x, denom = ad_saved
+            kappa = ctx.clip_kappa
+            inside = (x >= -1.0 + kappa) & (x <= 1.0 - kappa)
+            slope = x.clamp(-1.0 + kappa, 1.0 - kappa).square_().neg_().add_(1.0).rsqrt_().mul_(inside)
+            grad_x = torch.matmul(w1.transpose(0, 1), grad_u).mul_(slope).neg_().div_(denom)  # [B, C, F, L]
+            grad_a = 2.0 * grad_x
+            grad_d = grad_x.mul_(x + 1.0).neg_()
+            grads_ad = (grad_a.sum(-1), grad_d.sum(-1), grad_a.sum(1), grad_d.sum(1))
+        grad_w1, grad_b1 = -grad_w1b[:, :num_pairs], grad_w1b[:, num_pairs]
+        grad_w2, grad_b2 = grad_w2b[:, :hidden_width], grad_w2b[:, hidden_width]
         return (*grads_ad, grad_w1, grad_b1, grad_w2, grad_b2, None, None)
 
 
@@ -162,8 +187,9 @@ class PairCorrection(torch.autograd.Function):
 
     Autograd through a broadcast expression would keep the rotated keys of every head
     ([B, Ha, C, 2|M|, L], the biggest tensor of the block) for backward; this saves only its
-    inputs and recomputes one KV head's rotated keys at a time into reused buffers (fresh large
-    allocations page-fault on every op, which costs as much as the arithmetic on CPU).
+    inputs. The forward forms one KV head's rotated keys at a time in a reused buffer; the
+    backward never forms them (nor their gradient): it works from the head-shared coefficients
+    weighted by the head's dE (see ``backward``).
 
     Shapes: qp [B, Ha, C, G, 2|M|] (q1, q2 of the MDLMPE pairs); ka = (k1, k2) and
     kb = (-k2, k1) stacked as [B, Ha, 2, |M|, L]; alpha, beta [B, C, |M|, L]. The rotated keys of
@@ -287,16 +313,18 @@ def _compiled_regions() -> tuple[Callable[..., tuple[torch.Tensor, ...]], Callab
     )
 
 
-#: Bytes of one [rows, |M|, L] fp32 slice the eager path aims for: its elementwise passes then
-#: run from the per-core L2 cache instead of L3 / memory (~4x faster per pass on the 2 MiB L2
-#: of the CPUs here; measured: 3.8 s instead of 4.3 s per fwd+bwd at L = 1024, C = 128).
+#: Bytes of the widest fp32 tensor of one eager slice ([B, rows, width, L], see _cache_rows): its
+#: elementwise passes then run from the per-core L2 cache instead of L3 / memory, ~4x faster per
+#: pass on the 2 MiB L2 of the CPUs here (measured: 3.4-3.8 s instead of 4.3 s per fwd+bwd at
+#: L = 1024, C = 128, toy layer).
 EAGER_SLICE_BYTES = 2 << 20
 
 
-def _cache_rows(num_mdl: int, length: int) -> int:
-    """Query rows per eager slice: a [rows, |M|, L] fp32 tensor of about EAGER_SLICE_BYTES, >= 8
-    rows so per-op overhead stays small next to the arithmetic."""
-    return max(8, EAGER_SLICE_BYTES // (4 * max(num_mdl, 1) * length))
+def _cache_rows(batch: int, width: int, length: int) -> int:
+    """Query rows per eager slice, so a [batch, rows, width, L] fp32 tensor is about
+    EAGER_SLICE_BYTES; ``width`` is the widest per-pair feature axis (F, the phase MLP's hidden
+    size, 2|M| or the heads). At least 8 rows, so per-op overhead stays small next to the work."""
+    return max(8, EAGER_SLICE_BYTES // (4 * batch * max(width, 1) * length))
 
 
 def _block_starts(length: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
@@ -375,6 +403,7 @@ def blocked_attention(
     ``active_kv`` [Hkv] bool (None: all heads); ``key_valid`` [B, L] bool. Returns [B, Hq, L, d_h]
     in q's dtype. ``checkpoint`` recomputes each block in backward (O(C L F) live memory instead
     of O(L^2 F) saved); ``compile`` runs the two regions through torch.compile (same numbers).
+    Eager blocks have at most ``_cache_rows`` rows (module docstring).
     """
     _check_inputs(q, k, v, A, D, phase, active_kv, key_valid, block_size)
     num_heads, head_dim = q.shape[1], q.shape[3]
@@ -483,19 +512,14 @@ def _pair_path(
         def run_block(
             q_rows: torch.Tensor, a_rows: torch.Tensor, d_rows: torch.Tensor, *params: torch.Tensor
         ):
-            # Eager: the block's rows in cache-sized slices (rows are independent in attention).
-            step = a_rows.shape[1] if compile else _cache_rows(len(pairs), length)
-            pieces = []
-            for lo in range(0, a_rows.shape[1], step):
-                rows = slice(lo, lo + step)
-                alpha, beta = coefficients(
-                    a_rows[:, rows], d_rows[:, rows], a_cols, d_cols, *params, tau_max, clip_kappa
-                )
-                q_slice = q_rows[:, :, :, rows]
-                out = attend(q_slice, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
-                pieces.append(out)
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
+            alpha, beta = coefficients(a_rows, d_rows, a_cols, d_cols, *params, tau_max, clip_kappa)
+            return attend(q_rows, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
 
+    if not compile:
+        # Eager blocks are at most cache-sized: every elementwise pass then runs from L2, and a
+        # block's recompute is still in cache when its backward reads it.
+        width = max(num_pairs, phase.w1.shape[0], 2 * len(pairs), num_heads)
+        block_size = min(block_size, _cache_rows(batch, width, length))
     outputs = []
     for start, first_new in _block_starts(length, block_size, aligned=compile):
         rows = slice(start, min(start + block_size, length))

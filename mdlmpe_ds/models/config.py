@@ -42,6 +42,12 @@ class ModelConfig:
     position_encoding: str = "rope"
     mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=-1))
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing and an MDLMPE attention that manages its own memory (the blocked
+    # backend with checkpoint_blocks, or triton), the layer checkpoint leaves the attention out:
+    # its rotated q, k, v and its output are kept (~2 (Hq + Hkv) d_h values per token and layer)
+    # and backward does not run the attention forward a second time (it is the costliest part of
+    # the layer: 3 region-1 passes per block become 2). True recomputes it with the layer instead.
+    recompute_mdlmpe_attention: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -78,6 +84,14 @@ class ModelConfig:
     @property
     def uses_rotary(self) -> bool:
         return self.position_encoding in ("rope", "mdlmpe")
+
+    @property
+    def attention_outside_layer_checkpoint(self) -> bool:
+        """Whether layer checkpointing keeps the attention out of its recomputed segment (see
+        ``recompute_mdlmpe_attention``): only for MDLMPE paths whose memory is already O(C L) or O(L)."""
+        m = self.mdlmpe
+        self_managed = m.backend == "triton" or (m.backend == "blocked" and m.checkpoint_blocks)
+        return self.position_encoding == "mdlmpe" and self_managed and not self.recompute_mdlmpe_attention
 
     def validate(self) -> ModelConfig:
         def bad(key: str, why: str) -> ValueError:

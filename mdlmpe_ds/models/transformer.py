@@ -100,16 +100,22 @@ class Attention(nn.Module):
         self._all_active = bool(mask.all())
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        return self.output(self.core(*self.project(x, ctx), ctx))
+
+    def project(self, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, Hq, L, d_h]; k, v [B, Hkv, L, d_h], q and k rotated when the encoding is rotary."""
         batch, length, _ = x.shape
-        # 1. Projections.                                   q [B, Hq, L, d_h]; k, v [B, Hkv, L, d_h]
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # 2. Position encoding and attention.                                      out [B, Hq, L, d_h]
-        encoding = self.config.position_encoding
-        if encoding in ("rope", "mdlmpe"):
+        if self.config.uses_rotary:
             fp32 = self.config.rope_fp32
             q, k = apply_rotary(q, ctx.cos, ctx.sin, fp32), apply_rotary(k, ctx.cos, ctx.sin, fp32)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """Attention with the configured encoding on projected q, k, v.           out [B, Hq, L, d_h]"""
+        encoding = self.config.position_encoding
         if encoding == "mdlmpe":
             out = mdlmpe_attention(
                 q,
@@ -126,7 +132,11 @@ class Attention(nn.Module):
             out = alibi_attention(q, k, v, ctx.alibi)
         else:  # rope, absolute: plain bidirectional SDPA (absolute positions were added to the input)
             out = rope_attention(q, k, v, ctx.key_valid)
-        # 3. Output projection.                                                           [B, L, d]
+        return out
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads merged and projected: [B, Hq, L, d_h] -> [B, L, d]."""
+        batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
 
@@ -142,6 +152,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x), ctx)
+        return h + self.mlp(self.mlp_norm(h))
+
+    def checkpointed(self, x: torch.Tensor, ctx: LayerContext, around_attention: bool) -> torch.Tensor:
+        """``forward`` under activation checkpointing: the whole block as one recomputed segment, or
+        (``around_attention``) two segments, before and after an attention that keeps its own
+        memory small, so backward does not run the attention forward again."""
+        if not around_attention:
+            return checkpoint(self, x, ctx, use_reentrant=False)
+        q, k, v = checkpoint(self._project, x, ctx, use_reentrant=False)
+        out = self.attn.core(q, k, v, ctx)
+        return checkpoint(self._finish, x, out, use_reentrant=False)
+
+    def _project(self, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attn.project(self.attn_norm(x), ctx)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn.output(out)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -250,7 +277,7 @@ class DiffusionLM(nn.Module):
             ctx.alibi = alibi_bias(length, cfg.num_heads, key_valid, input_ids.device)  # [B|1, H, L, L]
         for layer in self.layers:
             if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, use_reentrant=False)
+                x = layer.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint)
             else:
                 x = layer(x, ctx)
         logits = self.lm_head(self.norm(x))  # [B, L, V]

@@ -141,7 +141,7 @@ def test_eager_cache_slices_match_reference(monkeypatch, ckpt):
     """The eager path splits each block into cache-sized row slices (8 rows here: a 20-row block of
     L = 27 runs as 8 + 8 + 4, the last block as 7); forward and every gradient still equal the spec."""
     monkeypatch.setattr(blocked, "EAGER_SLICE_BYTES", 1)
-    assert blocked._cache_rows(2, 27) == 8
+    assert blocked._cache_rows(2, 8, 27) == 8
     q, k, v, A, D, valid = _inputs(batch=2, q_heads=6, kv_heads=3, length=27, seed=41)
     mlp = _phase(4, seed=41)
     kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "active_kv": torch.tensor([True, False, True])}

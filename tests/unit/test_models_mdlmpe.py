@@ -174,3 +174,51 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, encoding, backe
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("backend", "checkpoint_blocks", "recompute", "runs_per_layer"),
+    [
+        ("blocked", True, False, 1),  # the attention keeps its own memory: not in the layer's recompute
+        ("blocked", True, True, 2),  # asked to recompute it with the layer
+        ("blocked", False, False, 2),  # no per-block checkpointing: the layer checkpoint bounds memory
+        ("reference", True, False, 2),  # L x L pair tensor: always inside the layer checkpoint
+    ],
+)
+def test_layer_checkpoint_leaves_self_managed_attention_out(
+    monkeypatch, backend, checkpoint_blocks, recompute, runs_per_layer
+):
+    """With layer checkpointing, backward re-runs the MDLMPE attention forward only where its memory
+    is not already bounded (per-block recompute), and gradients equal the uncheckpointed ones."""
+    import mdlmpe_ds.models.transformer as transformer
+
+    calls = []
+    attention = transformer.mdlmpe_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "mdlmpe_attention", counted)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        config = preset(
+            "dream-tiny",
+            position_encoding="mdlmpe",
+            gradient_checkpointing=checkpointing,
+            recompute_mdlmpe_attention=recompute,
+            mdlmpe={"backend": backend, "block_size": 4, "checkpoint_blocks": checkpoint_blocks},
+        )
+        model = DiffusionLM(config).train()
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.attn.phase.fc2.weight.normal_(std=1.0)
+        ids, valid = _batch(config)
+        calls.clear()
+        model(ids, valid).float().logsumexp(-1)[valid].mean().backward()
+        expected = runs_per_layer if checkpointing else 1
+        assert len(calls) == expected * config.num_layers, (checkpointing, len(calls))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)

@@ -144,8 +144,8 @@ def _spy_features(model):
     original = enc.features
     calls = []
 
-    def spy(input_ids, valid=None):
-        feats = original(input_ids, valid)
+    def spy(input_ids, valid=None, positions=None):
+        feats = original(input_ids, valid, positions)
         calls.append((input_ids.clone(), None if valid is None else valid.clone(), feats))
         return feats
 

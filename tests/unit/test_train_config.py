@@ -171,3 +171,13 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
     cfg = model_config_for(run, tokenizer=None)
     assert cfg.max_seq_len == 64 and cfg.mdlmpe.max_seq_len == 64
     assert cfg.position_encoding == "mdlmpe" and cfg.family == "llada"
+
+
+def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
+    """Checkpointing switches are runtime choices: a run resumes with others; any model key differs."""
+    model = {"hidden_size": 64, "gradient_checkpointing": True, "recompute_mdlmpe_attention": False}
+    saved = ckpt.SavedRun(tmp_path, 4, 2, {}, model)
+    runtime = {"gradient_checkpointing": False, "recompute_mdlmpe_attention": True}
+    ckpt.check_same_model(saved, {**model, **runtime})
+    with pytest.raises(ValueError, match=r"hidden_size: checkpoint 64 vs run 32"):
+        ckpt.check_same_model(saved, {**model, "hidden_size": 32})
