@@ -14,7 +14,9 @@ are noisy). Columns:
   freed memory leaves RSS), VmHWM reset through /proc/self/clear_refs after the inputs exist and
   one warm-up run, peak RSS growth of the MDLMPE run minus that of the RoPE run. CUDA:
   torch.cuda.max_memory_allocated, same difference.
-- ``B/(C·L)``: peak+ divided by (block size x length): flat when the extra memory is linear in C·L.
+- ``rows``: query rows per block as run (eager blocked caps C at an L2-sized slice, see
+  blocked._cache_rows; C is then an upper bound).
+- ``B/(C·L)``: peak+ divided by (rows x length): flat when the extra memory is linear in C·L.
 
 Usage:
     python benchmarks/bench_attention.py --quick
@@ -39,10 +41,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mdlmpe_ds.attention.blocked import blocked_attention
+from mdlmpe_ds.attention.blocked import _cache_rows, blocked_attention
 from mdlmpe_ds.attention.common import rope_attention
 from mdlmpe_ds.pe.heads import active_kv_heads
-from mdlmpe_ds.pe.phase import PhaseMLP
+from mdlmpe_ds.pe.phase import PhaseMLP, mdlmpe_pairs
 
 TAU_MAX = 0.25
 CLIP_KAPPA = 1e-4
@@ -274,6 +276,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def block_rows(case: Case) -> int:
+    """Query rows per block as run: eager blocked caps C at its L2-sized slice (blocked._cache_rows)."""
+    rows = min(case.block_size, case.length)
+    if case.method == "blocked" and case.mode == "eager":
+        num_pairs = case.head_dim // 2
+        width = max(num_pairs, max(16, num_pairs // 2), 2 * len(mdlmpe_pairs(num_pairs)), case.heads)
+        rows = min(rows, _cache_rows(1, width, case.length))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child_peak:
@@ -281,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     header = (
-        f"{'method':>8} {'mode':>8} {'L':>5} {'C':>4} {'Hkv':>3} {'act':>3} {'ckpt':>4} "
+        f"{'method':>8} {'mode':>8} {'L':>5} {'C':>4} {'rows':>4} {'Hkv':>3} {'act':>3} {'ckpt':>4} "
         f"{'rope ms':>8} {'mdlmpe ms':>10} {'ratio':>6} {'saved MB':>8} {'peak+ MB':>8} {'B/(C·L)':>8}"
     )
     print(
@@ -305,12 +317,14 @@ def main(argv: list[str] | None = None) -> None:
             t_method = time_fwd_bwd(method, inp, case, args.repeats, warmup=warmup)
             t_rope = min(t_rope, time_fwd_bwd("rope", inp, base, rope_repeats, warmup=0))
             saved = saved_bytes(method, inp, case) / 2**20
+            rows = block_rows(case)
             peak = per_cl = float("nan")
             if case.mode in args.memory_modes:
                 extra = peak_bytes(case) - peak_bytes(base)
-                peak, per_cl = extra / 2**20, extra / (min(case.block_size, case.length) * case.length)
+                peak, per_cl = extra / 2**20, extra / (rows * case.length)
             print(
-                f"{method:>8} {case.mode:>8} {case.length:>5} {case.block_size:>4} {case.kv_heads:>3} "
+                f"{method:>8} {case.mode:>8} {case.length:>5} {case.block_size:>4} {rows:>4} "
+                f"{case.kv_heads:>3} "
                 f"{case.active:>3} {'on' if case.checkpoint else 'off':>4} {t_rope * 1e3:>8.1f} "
                 f"{t_method * 1e3:>10.1f} {t_method / t_rope:>6.1f} {saved:>8.1f} {peak:>8.1f} "
                 f"{per_cl:>8.0f}",
