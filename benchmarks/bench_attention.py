@@ -15,7 +15,7 @@ are noisy). Columns:
   one warm-up run, peak RSS growth of the MDLMPE run minus that of the RoPE run. CUDA:
   torch.cuda.max_memory_allocated, same difference.
 - ``rows``: query rows per block as run (eager blocked caps C at an L2-sized slice, see
-  blocked._cache_rows; C is then an upper bound).
+  blocked.eager_block_rows; C is then an upper bound).
 - ``B/(C·L)``: peak+ divided by (rows x length): flat when the extra memory is linear in C·L.
 
 Usage:
@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mdlmpe_ds.attention.blocked import _cache_rows, blocked_attention
+from mdlmpe_ds.attention.blocked import blocked_attention, eager_block_rows
 from mdlmpe_ds.attention.common import rope_attention
 from mdlmpe_ds.pe.heads import active_kv_heads
-from mdlmpe_ds.pe.phase import PhaseMLP, mdlmpe_pairs
+from mdlmpe_ds.pe.phase import PhaseMLP
 
 TAU_MAX = 0.25
 CLIP_KAPPA = 1e-4
@@ -276,13 +276,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def block_rows(case: Case) -> int:
-    """Query rows per block as run: eager blocked caps C at its L2-sized slice (blocked._cache_rows)."""
+def block_rows(case: Case, inp: dict) -> int:
+    """Query rows per block as run: eager blocked caps C at an L2-sized slice (blocked.eager_block_rows)."""
     rows = min(case.block_size, case.length)
     if case.method == "blocked" and case.mode == "eager":
-        num_pairs = case.head_dim // 2
-        width = max(num_pairs, max(16, num_pairs // 2), 2 * len(mdlmpe_pairs(num_pairs)), case.heads)
-        rows = min(rows, _cache_rows(1, width, case.length))
+        pair_heads = case.active * (case.heads // case.kv_heads)  # query heads on the pair path
+        hidden = inp["mlp"].params().w1.shape[0]
+        rows = eager_block_rows(rows, 1, case.length, case.head_dim // 2, hidden, pair_heads)
     return rows
 
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             t_method = time_fwd_bwd(method, inp, case, args.repeats, warmup=warmup)
             t_rope = min(t_rope, time_fwd_bwd("rope", inp, base, rope_repeats, warmup=0))
             saved = saved_bytes(method, inp, case) / 2**20
-            rows = block_rows(case)
+            rows = block_rows(case, inp)
             peak = per_cl = float("nan")
             if case.mode in args.memory_modes:
                 extra = peak_bytes(case) - peak_bytes(base)

@@ -327,6 +327,16 @@ def _cache_rows(batch: int, width: int, length: int) -> int:
     return max(8, EAGER_SLICE_BYTES // (4 * batch * max(width, 1) * length))
 
 
+def eager_block_rows(
+    block_size: int, batch: int, length: int, num_pairs: int, hidden_width: int, num_heads: int
+) -> int:
+    """Query rows per block of the eager path: ``block_size`` capped at the cache-sized slice of
+    :func:`_cache_rows`, whose width is the widest per-pair axis of the block (F, the phase MLP's
+    hidden size, 2|M|, or the ``num_heads`` query heads that take the pair path)."""
+    width = max(num_pairs, hidden_width, 2 * len(mdlmpe_pairs(num_pairs)), num_heads)
+    return min(block_size, _cache_rows(batch, width, length))
+
+
 def _block_starts(length: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
     """(start, first_new_row) of every query block. ``aligned`` shifts the ragged last block back
     so it ends at L with a full C rows (its overlap with the previous block is dropped): every
@@ -518,8 +528,7 @@ def _pair_path(
     if not compile:
         # Eager blocks are at most cache-sized: every elementwise pass then runs from L2, and a
         # block's recompute is still in cache when its backward reads it.
-        width = max(num_pairs, phase.w1.shape[0], 2 * len(pairs), num_heads)
-        block_size = min(block_size, _cache_rows(batch, width, length))
+        block_size = eager_block_rows(block_size, batch, length, num_pairs, phase.w1.shape[0], num_heads)
     outputs = []
     for start, first_new in _block_starts(length, block_size, aligned=compile):
         rows = slice(start, min(start + block_size, length))
