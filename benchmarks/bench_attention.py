@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from proc_memory import reset_peak, status_kb
 
 from mdlmpe_ds.attention.blocked import blocked_attention, eager_block_rows
 from mdlmpe_ds.attention.common import rope_attention
@@ -180,14 +181,6 @@ def saved_bytes(method: str, inp: dict, case: Case) -> int:
     return sum(storages.values())
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def child_peak_bytes(case: Case) -> int:
     """In a fresh process: peak RSS growth of one forward+backward of ``case.method`` (CPU)."""
     torch.set_num_threads(1)
@@ -196,11 +189,10 @@ def child_peak_bytes(case: Case) -> int:
     fwd_bwd(case.method, inp, case)
     for leaf in (inp["q"], inp["k"], inp["v"], *inp["mlp"].parameters()):
         leaf.grad = None
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset VmHWM to the current RSS
-    before = _rss_kb("VmRSS")
+    reset_peak()
+    before = status_kb("VmRSS")
     fwd_bwd(case.method, inp, case)
-    return (_rss_kb("VmHWM") - before) * 1024
+    return (status_kb("VmHWM") - before) * 1024
 
 
 def peak_bytes(case: Case) -> int:

@@ -27,14 +27,7 @@ import subprocess
 import sys
 import time
 
-
-def status_kb(field: str) -> int:
-    """A kB field of /proc/self/status (VmRSS: resident now, VmHWM: peak since the last reset)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+from proc_memory import reset_peak, status_kb
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -89,8 +82,7 @@ def worker(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         else:
-            with open("/proc/self/clear_refs", "w") as refs:
-                refs.write("5")  # reset VmHWM to the current RSS
+            reset_peak()
             base = status_kb("VmRSS")
             step(2)
             result["peak_mb"] = (status_kb("VmHWM") - base) / 1024
