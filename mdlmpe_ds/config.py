@@ -76,6 +76,11 @@ class DataConfig:
     # Dream-train's resp_cutoff_ratio: the probability, per batch, of also cutting c ~ U{1..m-1}
     # columns off the end of the batch (m = the smallest answer length in it). 0 = never.
     resp_cutoff_ratio: float = 0.0
+    # Round each batch's width (longest row) up to a multiple of this, capped at max_len; the extra
+    # columns are EOS padding like the rest. With the compiled MDLMPE attention
+    # (model.mdlmpe.compile) every distinct width is a new graph, so a multiple such as 64 bounds
+    # the compiles (torch.compile stops at 8 per graph and falls back to eager). None: no rounding.
+    pad_to_multiple_of: int | None = None
     # ---- pretraining only (launch/pretrain.py; SFT ignores these) ----
     # `dataset` is then a text corpus: a named one of data/corpora.py ("shakespeare", "ptb", ...),
     # local .txt files (comma-separated, or a directory), a local .jsonl/.parquet file or a hub
@@ -180,6 +185,15 @@ class RunConfig:
             raise bad("data.perbatch_cutoff", d.perbatch_cutoff, f"must be one of {PERBATCH_CUTOFFS}")
         if not 0.0 <= d.resp_cutoff_ratio <= 1.0:
             raise bad("data.resp_cutoff_ratio", d.resp_cutoff_ratio, "must be in [0, 1] (a probability)")
+        if d.pad_to_multiple_of is not None and d.pad_to_multiple_of < 1:
+            raise bad("data.pad_to_multiple_of", d.pad_to_multiple_of, "must be >= 1 or null")
+        if d.pad_to_multiple_of and (d.perbatch_cutoff != "none" or d.resp_cutoff_ratio > 0):
+            raise bad(
+                "data.pad_to_multiple_of",
+                d.pad_to_multiple_of,
+                "cannot be combined with data.perbatch_cutoff / data.resp_cutoff_ratio (the rounding "
+                "pads would be trained EOS right after a truncated response)",
+            )
         if d.perbatch_cutoff == "random_with_input_pad" and m.position_encoding == "absolute":
             raise bad(
                 "data.perbatch_cutoff",

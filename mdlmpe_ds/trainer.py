@@ -675,8 +675,15 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
         attend_padding=run.data.attend_padding,
         perbatch_cutoff=run.data.perbatch_cutoff,
         resp_cutoff_ratio=run.data.resp_cutoff_ratio,
+        pad_to_multiple_of=run.data.pad_to_multiple_of,
         seed=t.seed,
     )
+    compiled = model_config.position_encoding == "mdlmpe" and model_config.mdlmpe.compile
+    if compiled and not run.data.pad_to_multiple_of and run.data.perbatch_cutoff == "none":
+        _log(
+            "warning: model.mdlmpe.compile with batches as wide as their longest row: every new width "
+            "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
+        )
     engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
     if engine is None:
         return built

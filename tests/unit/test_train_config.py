@@ -117,6 +117,37 @@ def test_dry_run_plan(fixture_data, tmp_path, capsys):
     assert "sequences per update" in capsys.readouterr().out
 
 
+def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
+    fixture_data, tmp_path, capsys, monkeypatch
+):
+    """The compiled attention compiles once per batch width: without a width multiple the run says
+    so; with one, the collator rounds widths. Bad values and cutoff combinations are named."""
+    from mdlmpe_ds.data import sft
+
+    made = []
+
+    def recording_collator(*args, **kwargs):
+        made.append(sft_collator(*args, **kwargs))
+        return made[-1]
+
+    sft_collator = sft.SFTCollator
+    monkeypatch.setattr(sft, "SFTCollator", recording_collator)
+    tok, chat = fixture_data
+    base = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
+    compiled = [*base, "--model.mdlmpe", '{"compile": true}']
+    _dry(compiled, tmp_path)
+    assert "set data.pad_to_multiple_of" in capsys.readouterr().out
+    _dry([*compiled, "--pad_to_multiple_of", "16"], tmp_path)
+    assert "set data.pad_to_multiple_of" not in capsys.readouterr().out
+    assert made[-1].pad_to_multiple_of == 16
+    _dry(base, tmp_path)
+    assert "set data.pad_to_multiple_of" not in capsys.readouterr().out  # eager: any width is fine
+    with pytest.raises(ValueError, match=r"data\.pad_to_multiple_of=0"):
+        build_config(None, ["--pad_to_multiple_of", "0"])
+    with pytest.raises(ValueError, match=r"data\.pad_to_multiple_of=16 cannot be combined"):
+        build_config(None, ["--pad_to_multiple_of", "16", "--perbatch_cutoff", "random_with_input_pad"])
+
+
 def test_missing_dataset_file(fixture_data, tmp_path):
     tok, _ = fixture_data
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
