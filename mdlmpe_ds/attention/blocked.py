@@ -35,8 +35,9 @@ layer). ``compile=True, checkpoint=False`` keeps the older form: the plain expre
 (:func:`pair_coefficients`, :func:`pair_correction` with ``fused=False``) compiled and
 differentiated by inductor, O(L^2) saved. Graphs are specialised on shapes (``dynamic=False``):
 each distinct (B, H, L) compiles once (every block of a sequence has one shape, see
-:func:`_block_starts`), and dynamo's recompile limit (8 by default) falls back to eager past
-that, so with ``compile`` keep sequence lengths to a few fixed buckets.
+:func:`_block_starts`). The flash pieces may compile up to ``blocked_fused.GRAPH_BUDGET`` shapes
+each (the older form, dynamo's default 8) before running eagerly, so with ``compile`` keep sequence
+widths to a few buckets (SFT: ``data.pad_to_multiple_of``).
 
 The pair path (r, s, the phase MLP, alpha, beta, E) and the scores run in fp32 whatever the
 dtype of q, k, v (all-bf16 pair math loses ~13% of the correction, PERF.md); the output is cast

@@ -23,7 +23,7 @@ Each piece is compiled with ``dynamic=False`` on first use, never at import; see
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import NamedTuple
 
 import torch
@@ -307,13 +307,32 @@ class CompiledPieces(NamedTuple):
     attend_backward: Callable[..., tuple[torch.Tensor, ...]]
 
 
+# Shapes each compiled piece may be traced for before dynamo stops compiling it (and runs it
+# eagerly, same numbers, ~3x slower): every (batch, active heads, sequence width) is one. Dynamo's
+# default of 8 is used up by a training run's head schedule alone (one count per activated KV head)
+# times a few batch widths, so the pieces get a budget of their own (only while they run).
+GRAPH_BUDGET = 64
+
+
+def _compiled(fn: Callable) -> Callable:
+    """fn through torch.compile (shape-specialised), with GRAPH_BUDGET graphs allowed."""
+    graph = torch.compile(fn, dynamic=False)
+
+    @wraps(fn)
+    def call(*args):
+        with torch._dynamo.config.patch(recompile_limit=GRAPH_BUDGET):
+            return graph(*args)
+
+    return call
+
+
 @lru_cache(maxsize=1)
 def compiled_pieces() -> CompiledPieces:
     """Built on first use, never at import. Region 1 (alpha, beta) and region 2 (attention) are
     separate graphs: fused, inductor recomputes the sin/tanh chain once per head (PERF.md).
     """
     fns = (coefficients, coefficients_for_backward, coefficients_vjp, attend_forward, attend_backward)
-    return CompiledPieces(*(torch.compile(fn, dynamic=False) for fn in fns))
+    return CompiledPieces(*(_compiled(fn) for fn in fns))
 
 
 class CompiledBlockAttention(torch.autograd.Function):

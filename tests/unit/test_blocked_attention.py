@@ -440,6 +440,21 @@ def test_flash_blocks_save_no_pair_tensor(monkeypatch):
     assert _largest_saved_for_backward(compile=True) <= per_sequence
 
 
+def test_compiled_pieces_compile_past_dynamos_default_limit():
+    """A training run meets more shapes than dynamo's default 8 (active-head counts x widths);
+    every one of them gets its own graph instead of an eager fallback."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    piece = blocked_fused._compiled(lambda x: x * 2.0 + 1.0)
+    before = counters["stats"]["unique_graphs"]
+    shapes = 9  # one past the default
+    for n in range(1, shapes + 1):
+        torch.testing.assert_close(piece(torch.ones(n)), torch.full((n,), 3.0))
+    assert counters["stats"]["unique_graphs"] - before == shapes
+    assert shapes <= blocked_fused.GRAPH_BUDGET
+
+
 def test_compiled_regions_match_eager():
     """compile=True gives the eager numbers (tiny shapes; the first call compiles, ~1 min on CPU)."""
     q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=2, length=11, seed=37)
