@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mdlmpe_ds.pe.config import IMPLEMENTATION_KEYS
+
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 DS_TAG = "ds"
@@ -183,12 +185,22 @@ def read_saved_run(path: Path) -> SavedRun:
 RUNTIME_MODEL_KEYS = ("gradient_checkpointing", "recompute_mdlmpe_attention")
 
 
+def _model_identity(model_config: dict[str, Any]) -> dict[str, Any]:
+    """The model config without runtime choices: checkpointing switches and MDLMPE's attention
+    implementation (backend, block size, compile, ...), which a resumed run may change."""
+    identity = {k: v for k, v in model_config.items() if k not in RUNTIME_MODEL_KEYS}
+    if isinstance(identity.get("mdlmpe"), dict):
+        identity["mdlmpe"] = {k: v for k, v in identity["mdlmpe"].items() if k not in IMPLEMENTATION_KEYS}
+    return identity
+
+
 def check_same_model(saved: SavedRun, model_config: dict[str, Any]) -> None:
     """Fail fast (before DeepSpeed reads any shard) when the checkpoint is from another model."""
+    before, now = _model_identity(saved.model_config), _model_identity(model_config)
     diffs = [
-        f"{key}: checkpoint {saved.model_config.get(key)!r} vs run {model_config.get(key)!r}"
-        for key in sorted(set(saved.model_config) | set(model_config))
-        if key not in RUNTIME_MODEL_KEYS and saved.model_config.get(key) != model_config.get(key)
+        f"{key}: checkpoint {before.get(key)!r} vs run {now.get(key)!r}"
+        for key in sorted(set(before) | set(now))
+        if before.get(key) != now.get(key)
     ]
     if diffs:
         raise ValueError(

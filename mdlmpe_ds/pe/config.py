@@ -14,6 +14,11 @@ COORDINATES = ("sine", "mlp", "none")
 ATTENTION_BACKENDS = ("reference", "blocked", "triton")
 
 
+# How the attention is computed, not what it computes (every backend gives the spec's numbers): a
+# run may resume from a checkpoint with other values (checkpoint.check_same_model).
+IMPLEMENTATION_KEYS = ("backend", "block_size", "triton_tile", "compile", "checkpoint_blocks")
+
+
 @dataclass
 class MDLMPEConfig:
     """Every knob of MDLMPE with the SPEC §2 defaults.

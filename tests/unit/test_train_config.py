@@ -205,10 +205,20 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
 
 
 def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
-    """Checkpointing switches are runtime choices: a run resumes with others; any model key differs."""
-    model = {"hidden_size": 64, "gradient_checkpointing": True, "recompute_mdlmpe_attention": False}
+    """Checkpointing switches and MDLMPE's attention implementation are runtime choices: a run
+    resumes with others; any model key, MDLMPE's method keys included, differs."""
+    mdlmpe = {"tau_max": 0.25, "backend": "blocked", "block_size": 128, "compile": False}
+    model = {
+        "hidden_size": 64,
+        "gradient_checkpointing": True,
+        "recompute_mdlmpe_attention": False,
+        "mdlmpe": mdlmpe,
+    }
     saved = ckpt.SavedRun(tmp_path, 4, 2, {}, model)
     runtime = {"gradient_checkpointing": False, "recompute_mdlmpe_attention": True}
-    ckpt.check_same_model(saved, {**model, **runtime})
+    faster = {**mdlmpe, "block_size": 64, "compile": True, "checkpoint_blocks": False}
+    ckpt.check_same_model(saved, {**model, **runtime, "mdlmpe": faster})
     with pytest.raises(ValueError, match=r"hidden_size: checkpoint 64 vs run 32"):
         ckpt.check_same_model(saved, {**model, "hidden_size": 32})
+    with pytest.raises(ValueError, match=r"mdlmpe: checkpoint .*'tau_max': 0.25.* vs run .*'tau_max': 0.5"):
+        ckpt.check_same_model(saved, {**model, "mdlmpe": {**faster, "tau_max": 0.5}})
