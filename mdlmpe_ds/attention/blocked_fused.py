@@ -18,6 +18,17 @@ Compared with activation checkpointing around autograd-compiled regions (the pre
 
 Each piece is compiled with ``dynamic=False`` on first use, never at import; see
 :mod:`mdlmpe_ds.attention.blocked` for the recompile budget. All maths in fp32.
+
+Tried and measured slower on the toy layer at L = 1024 (CPU, one thread), so not used:
+- square C x C tiles over the upper triangle only (r_ij = r_ji, so alpha, beta serve both
+  directions of a tile and region 1 runs on (n + 1) / 2n of the grid), online softmax across
+  tiles: region 1 fell from ~490 to ~320 ms, but transposing each tile's alpha, beta and their
+  gradients (~0.2-0.5 ms per MB on this CPU), the online-softmax state updates and ~5x more
+  compiled calls cost more: 1,130 ms against 925 ms for C-row blocks;
+- region 1 feature-major over the whole block ([B, F, C, L], one matmul per MLP layer with C L
+  columns): the GEMMs are memory-bound either way, and the layout change adds a transposing pass;
+- the phase MLP unrolled into scalar-weight sums so inductor fuses it into one loop: 4x slower
+  (s is still materialised, and the kernel spills), and minutes to compile.
 """
 
 from __future__ import annotations
