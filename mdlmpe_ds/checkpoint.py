@@ -1,17 +1,24 @@
-"""Atomic, resumable checkpoints: DeepSpeed's sharded state plus our per-rank trainer state.
+"""Atomic, verified, resumable checkpoints: DeepSpeed's sharded state plus our per-rank trainer state.
 
-Layout (SPEC §4, STYLE habit 6)::
+Layout (STYLE habit 6)::
 
     output_dir/checkpoints/
         step_000020/
             ds/                       DeepSpeed's ZeRO-3 shards (model, optimizer, lr scheduler)
             trainer_state_rank{r}.pt  sampler position, RNG states, counters (one per rank)
-            config.json               the training config + model config + world size
+            config.json               the training config + model config + world size + data fingerprint
+            MANIFEST.json             every file's size and a sampled CRC-32 (written before COMPLETE)
             COMPLETE                  written last, by rank 0, after a barrier, fsync'd
         latest                        holds the tag of the newest COMPLETE checkpoint (atomic rename)
+        superseded/                   checkpoints newer than the one a run resumed from (never resumed)
 
-A directory without COMPLETE is never resumed from (a run killed mid-save leaves one); keep-last-k
-deletes older complete checkpoints only after the new one is complete.
+What is atomic: a checkpoint is written into ``step_N.saving/``; every rank fsyncs its files, rank 0
+writes the manifest and COMPLETE there and only then renames the directory to ``step_N`` (moving an
+existing ``step_N`` aside first and deleting it after). A directory named ``step_N`` is therefore
+complete unless its files were damaged later, which the manifest catches: ``--resume auto`` verifies
+sizes and checksums, skips a damaged checkpoint naming the bad file, and falls back to the newest
+good one. A kill between the two renames is repaired by ``recover_interrupted`` at the next start.
+keep-last-k deletes older checkpoints only after the new one is complete, and never the new one.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import os
 import random
 import re
 import shutil
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,10 @@ from mdlmpe_ds.pe.config import IMPLEMENTATION_KEYS
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+MANIFEST = "MANIFEST.json"
+STAGING = ".saving"  # suffix of a checkpoint being written
+REPLACED = ".replaced"  # suffix of an older copy of the same step while the new one is swapped in
+SUPERSEDED = "superseded"
 DS_TAG = "ds"
 DS_UNIVERSAL_TAG = "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.engine to-universal)
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -45,8 +58,16 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_root(output_dir) / f"step_{step:06d}"
 
 
+def staging_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoints_root(output_dir) / f"step_{step:06d}{STAGING}"
+
+
 def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file()
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -69,6 +90,17 @@ def newest_complete(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def newest_verified(output_dir: str | Path, log=print) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; each damaged one on the way is
+    reported through ``log`` (naming the file) and skipped."""
+    for path in reversed(complete_checkpoints(output_dir)):
+        problems = verify(path)
+        if not problems:
+            return path
+        log(f"warning: skipping damaged checkpoint {path}: " + "; ".join(problems))
+    return None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step directory, a `latest` file, a checkpoints/ root or an output_dir -> a COMPLETE step dir."""
     path = Path(path)
@@ -86,12 +118,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """`--resume auto` -> newest complete checkpoint (or None: start fresh); a path must be complete."""
+def resolve_resume(resume: str | None, output_dir: str | Path, log=print) -> Path | None:
+    """`--resume auto` -> newest complete checkpoint that passes verification (None: start fresh);
+    an explicit path must be complete and intact (else an error naming the bad file)."""
     if resume is None:
         return None
     if resume == "auto":
-        return newest_complete(output_dir)
+        return newest_verified(output_dir, log)
     path = Path(resume)
     if not path.is_dir():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
@@ -99,7 +132,164 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
         raise ValueError(
             f"--resume {resume}: checkpoint has no {COMPLETE} marker (interrupted save); not resuming"
         )
+    problems = verify(path)
+    if problems:
+        raise ValueError(f"--resume {resume}: checkpoint is damaged: " + "; ".join(problems))
     return path
+
+
+def existing_run(output_dir: str | Path) -> list[Path]:
+    """Checkpoint directories (complete or not) already in ``output_dir``: a fresh run must not
+    write over them without being told."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(child for child in root.iterdir() if child.name.startswith("step_"))
+
+
+# ---------------------------------------------------------------------------- writing
+def fsync_tree(path: Path) -> None:
+    """Flush every file below ``path`` (and the directories) to stable storage. Called by every rank
+    on the files it can see after writing its own, so COMPLETE never precedes data in the page cache."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+#: Bytes read for the sampled checksum: the head, the middle and the tail of every file. Cheap on
+#: an 8B checkpoint (~100 GB), and it catches the real failures: truncation (the size), torn or
+#: zero-filled writes at either end, a wrong file swapped in. It is not a full-content hash.
+_SAMPLE = 1 << 20
+
+
+def sampled_crc32(path: Path, size: int | None = None) -> int:
+    size = path.stat().st_size if size is None else size
+    crc = 0
+    with open(path, "rb") as fh:
+        for start in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+            fh.seek(start)
+            crc = zlib.crc32(fh.read(min(_SAMPLE, size - start)), crc)
+    return crc
+
+
+def manifest_of(path: Path) -> dict[str, dict[str, int]]:
+    """{relative file: {size, crc32}} for every file of a checkpoint but COMPLETE and the manifest."""
+    out = {}
+    for file in sorted(path.rglob("*")):
+        rel = file.relative_to(path).as_posix()
+        if file.is_file() and rel not in (COMPLETE, MANIFEST):
+            size = file.stat().st_size
+            out[rel] = {"size": size, "crc32": sampled_crc32(file, size)}
+    return out
+
+
+def verify(path: Path) -> list[str]:
+    """What is wrong with a checkpoint's files against its manifest (empty: intact). A checkpoint
+    written before manifests existed has none and passes."""
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        return []
+    try:
+        manifest = json.loads(manifest_file.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return [f"{manifest_file} is unreadable ({err})"]
+    problems = []
+    for rel, want in manifest.items():
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+            continue
+        size = file.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{file} has {size} bytes, {want['size']} when saved (truncated or rewritten)")
+        elif sampled_crc32(file, size) != want["crc32"]:
+            problems.append(f"{file} does not match its checksum (corrupted after the save)")
+    return problems
+
+
+def finalize(staging: Path, final: Path) -> None:
+    """Rank 0, after every rank's files are written and fsync'd (barrier): manifest, COMPLETE, then
+    the atomic swap of ``staging`` into ``final`` and `latest`."""
+    _fsync_write(staging / MANIFEST, json.dumps({"files": manifest_of(staging)}, indent=1))
+    _fsync_write(staging / COMPLETE, f"{final.name}\n")
+    replaced = final.with_name(final.name + REPLACED)
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    _fsync_write(final.parent / LATEST, f"{final.name}\n")
+
+
+def recover_interrupted(output_dir: str | Path) -> list[str]:
+    """Rank 0, before resolving a resume or saving: finish or discard what a killed save left.
+
+    - ``step_N.saving`` with COMPLETE was killed between its two renames: it is the newest copy of
+      step N, so it becomes ``step_N`` (an older ``step_N`` goes);
+    - ``step_N.saving`` without COMPLETE is an interrupted save: deleted (never resumed from);
+    - ``step_N.replaced`` is the old copy of a step whose swap finished or is finished here: deleted,
+      unless no ``step_N`` exists (then it is restored).
+    Returns a description of each action."""
+    root = checkpoints_root(output_dir)
+    actions: list[str] = []
+    if not root.is_dir():
+        return actions
+    for child in sorted(root.iterdir()):
+        if child.name.endswith(STAGING) and child.is_dir():
+            final = child.with_name(child.name[: -len(STAGING)])
+            if is_complete(child):
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(child, final)
+                actions.append(f"completed the interrupted swap of {final}")
+            else:
+                shutil.rmtree(child)
+                actions.append(f"removed the interrupted save {child}")
+    for child in sorted(root.iterdir()):
+        if child.name.endswith(REPLACED) and child.is_dir():
+            final = child.with_name(child.name[: -len(REPLACED)])
+            if final.exists():
+                shutil.rmtree(child)
+            else:
+                os.rename(child, final)
+                actions.append(f"restored {final} from its interrupted replacement")
+    return actions
+
+
+def supersede_newer(output_dir: str | Path, resumed: Path) -> list[Path]:
+    """Rank 0, when a run resumes from a checkpoint older than others in ``output_dir``: the newer ones
+    belong to the abandoned continuation. They move to ``checkpoints/superseded/`` (kept for the
+    user, never picked by ``--resume auto``), so a crash of the new continuation cannot resume into
+    the old one. Returns their new paths."""
+    step = _step_of(resumed)
+    root = checkpoints_root(output_dir)
+    moved = []
+    for child in existing_run(output_dir):
+        match = _STEP_DIR.match(child.name)
+        if match and int(match.group(1)) > step:
+            dest = root / SUPERSEDED / f"{child.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            dest.parent.mkdir(exist_ok=True)
+            os.rename(child, dest)
+            moved.append(dest)
+    if moved:
+        _fsync_write(root / LATEST, f"{resumed.name}\n")
+    return moved
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -109,11 +299,7 @@ def _fsync_write(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
 
 
 def rng_state() -> dict[str, Any]:
@@ -164,20 +350,43 @@ class SavedRun:
     run_config: dict[str, Any]
     model_config: dict[str, Any]
     tokenizer: str | None = None
+    data_fingerprint: str | None = None  # absent in checkpoints written before it existed
 
 
 def read_saved_run(path: Path) -> SavedRun:
     meta_file = path / "config.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path}: not a checkpoint of this trainer (no config.json)")
-    meta = json.loads(meta_file.read_text())
-    return SavedRun(
-        path,
-        meta["step"],
-        meta["world_size"],
-        meta["run_config"],
-        meta["model_config"],
-        meta.get("tokenizer"),
+    try:
+        meta = json.loads(meta_file.read_text())
+        return SavedRun(
+            path,
+            meta["step"],
+            meta["world_size"],
+            meta["run_config"],
+            meta["model_config"],
+            meta.get("tokenizer"),
+            meta.get("data_fingerprint"),
+        )
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{meta_file}: unreadable checkpoint metadata ({err!r})") from err
+
+
+def check_same_data(saved: SavedRun, fingerprint: str, allow_change: bool) -> str | None:
+    """Refuse to resume on other training data than the checkpoint's (same size or not): the sampler
+    position and the noise draws would silently apply to different examples. Returns a warning to
+    print when the user allowed the change, else None."""
+    if saved.data_fingerprint is None or saved.data_fingerprint == fingerprint:
+        return None
+    message = (
+        f"checkpoint {saved.path} was trained on other data or another tokenizer: data fingerprint "
+        f"{saved.data_fingerprint[:16]} at save, {fingerprint[:16]} now"
+    )
+    if allow_change:
+        return f"warning: {message}; continuing because train.allow_data_change is set"
+    raise ValueError(
+        f"{message}. Resume with the same dataset and tokenizer, or pass --allow_data_change true to "
+        f"continue on the new data from this checkpoint's sampler position"
     )
 
 
@@ -223,7 +432,13 @@ def read_trainer_state(path: Path, rank: int) -> dict[str, Any]:
 
 
 def write_meta(
-    path: Path, step: int, world: int, run_config: dict, model_config: dict, tokenizer: str
+    path: Path,
+    step: int,
+    world: int,
+    run_config: dict,
+    model_config: dict,
+    tokenizer: str,
+    data_fingerprint: str | None = None,
 ) -> None:
     meta = {
         "step": step,
@@ -231,24 +446,20 @@ def write_meta(
         "run_config": run_config,
         "model_config": model_config,
         "tokenizer": tokenizer,
+        "data_fingerprint": data_fingerprint,
     }
     _fsync_write(path / "config.json", json.dumps(meta, indent=2, default=str))
 
 
-def mark_complete(path: Path) -> None:
-    """Rank 0, after every rank's files are written (barrier): COMPLETE, then `latest`."""
-    _fsync_write(path / COMPLETE, f"{path.name}\n")
-    _fsync_write(path.parent / LATEST, f"{path.name}\n")
-
-
-def prune(output_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last`; incomplete directories older than
-    the newest complete one are debris of interrupted saves and go too. Returns what was deleted."""
+def prune(output_dir: str | Path, keep_last: int, keep: Path) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (never ``keep``, the one just
+    written); directories without COMPLETE older than the newest complete one are debris of
+    interrupted saves from before atomic saving, and go too. Returns what was deleted."""
     complete = complete_checkpoints(output_dir)
-    doomed = complete[:-keep_last] if keep_last > 0 else []
+    doomed = [p for p in (complete[:-keep_last] if keep_last > 0 else []) if p != keep]
     root = checkpoints_root(output_dir)
     if complete:
-        newest_step = int(_STEP_DIR.match(complete[-1].name).group(1))
+        newest_step = _step_of(complete[-1])
         for child in root.iterdir():
             match = _STEP_DIR.match(child.name)
             if match and not is_complete(child) and int(match.group(1)) < newest_step:

@@ -131,6 +131,14 @@ class TrainConfig:
     save_every: int = 20
     keep_last: int = 2
     output_dir: str = "outputs/sft-demo"
+    # A run without --resume refuses an output_dir that already holds checkpoints; true deletes that
+    # earlier run's checkpoints, metrics and TensorBoard logs first (the Trainer convention).
+    overwrite_output_dir: bool = False
+    # Resuming on other data or another tokenizer than the checkpoint's is refused unless true.
+    allow_data_change: bool = False
+    # SIGTERM/SIGINT (a preemption): finish the update, save a checkpoint, exit with code 143/130.
+    # A rank whose launcher died stops the same way, then exits after at most this many seconds.
+    orphan_grace_s: float = 60.0
     log_every: int = 1
     # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
     # Dream: 1/t / CART weighting normalised by masked-token count).
@@ -245,6 +253,8 @@ class RunConfig:
             raise bad("train.precision", t.precision, f"must be one of {PRECISIONS}")
         if not t.dist_timeout_min > 0:
             raise bad("train.dist_timeout_min", t.dist_timeout_min, "must be > 0")
+        if not t.orphan_grace_s > 0:
+            raise bad("train.orphan_grace_s", t.orphan_grace_s, "must be > 0")
         if d.text_split is not None and d.text_split not in TEXT_SPLITS:
             raise bad("data.text_split", d.text_split, f"must be one of {TEXT_SPLITS} or null")
         if d.max_documents is not None and d.max_documents < 1:

@@ -170,6 +170,12 @@ def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str,
     precision = t.precision
     if precision == "auto":
         precision = "fp32" if on_cpu() else ("bf16" if ds.get("bf16", {}).get("enabled") else "fp32")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ValueError(
+            f"{path}: fp16 is not supported by this trainer (it needs dynamic loss scaling, which the "
+            f'loop does not run; bf16 has fp32\'s range): set "fp16": {{"enabled": false}} and use '
+            f"bf16 (train.precision bf16 or auto on a GPU) or fp32"
+        )
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
     ds["fp16"] = {"enabled": False}
     ds.setdefault("steps_per_print", 10**9)
@@ -202,8 +208,15 @@ def build_model(
 
     # pe/ modules initialise each parameter in the constructor of the layer that owns it, so the
     # values survive zero.Init partitioning each module as soon as its own __init__ returns.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=param_dtype(ds_config)):
+    # dtype is left to the ds config on purpose. DeepSpeed 0.19.8's zero.Init._set_dtype
+    # (runtime/zero/partition_parameters.py) evaluates, whenever an explicit dtype is passed,
+    #   dtype or torch.float16 if fp16_supported() else torch.bfloat16 if is_bf16_supported else fp32
+    # which parses as `(dtype or fp16) if fp16_supported() else (bf16 if ... else fp32)`: on a CPU
+    # accelerator without fp16 support (AVX2-only AMD EPYC) an "fp32" run got bf16 parameters.
+    # With dtype=None it reads bf16.enabled / fp16.enabled from the config, which prepare_ds_config set.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = model_factory()
+    check_param_dtypes(model, param_dtype(ds_config))
     # The MDLMPE phase MLP and embedding projection are read as raw tensors by their parent's forward
     # (the attention kernels, the embedding path), not through their own forward, so ZeRO-3's module
     # hooks would never gather them: register them as external parameters of the module whose forward
@@ -214,6 +227,19 @@ def build_model(
                 for param in child.parameters():
                     deepspeed.zero.register_external_parameter(parent, param)
     return model
+
+
+def check_param_dtypes(model: torch.nn.Module, expected: torch.dtype) -> None:
+    """Fail loudly if any parameter was created in another dtype than the resolved precision
+    (a DeepSpeed change, or an accelerator quirk, must never turn an fp32 run into bf16 silently)."""
+    wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != expected]
+    if wrong:
+        listed = ", ".join(f"{n}: {d}" for n, d in wrong[:5])
+        raise RuntimeError(
+            f"the model's parameters should be {expected} (train.precision and the ds config's bf16 "
+            f"section) but {len(wrong)} are not ({listed}{', ...' if len(wrong) > 5 else ''}); DeepSpeed's "
+            f"zero.Init picked another dtype on this accelerator"
+        )
 
 
 def init_mdlmpe_parameters(model: torch.nn.Module) -> None:
@@ -240,9 +266,24 @@ def gathered_factory() -> Callable[..., contextlib.AbstractContextManager]:
 
 @contextlib.contextmanager
 def gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Read-only full view of partitioned parameters on every rank (collective)."""
+    """Read-only full view of partitioned parameters on every rank (collective); every parameter is
+    left as it was found.
+
+    Parameters ZeRO-3 already holds whole (the "persistent" ones under
+    stage3_param_persistence_threshold, i.e. all small MDLMPE weights with the shipped zero3.json)
+    are not passed to GatheredParameters: its exit would partition them, the next forward would
+    then fetch them through the module getter and register them as external parameters of another
+    module, and the recorded fetch trace broke at the next update ("tracing error ... expected
+    layers.0.attn.phase.fc1.weight"; seen on resume, where the trace is recorded after a log step).
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     deepspeed = _deepspeed()
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    partitioned = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -94,7 +95,18 @@ def relaunch(script: str | Path, ranks: int, argv: list[str]) -> int:
         f"[{name}] CPU-only machine and 1 rank: re-launching with {ranks} ranks:\n  {shlex.join(cmd)}",
         flush=True,
     )
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        # torchrun passes it on to the ranks, which save a checkpoint and stop (lifecycle.py).
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def prepare_process() -> None:
@@ -107,22 +119,42 @@ def prepare_process() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
+def dry_run_world_size() -> int:
+    """The world size a real run started the same way would have: the launcher's WORLD_SIZE, or on a
+    CPU-only machine the ranks it would re-launch with (ranks_to_relaunch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            ranks = int(os.environ.get(CPU_RANKS_ENV, "2"))
+            world = ranks if ranks > 1 else 1
+    return world
+
+
 def run_job(job, run, args, report) -> int:
     """The launchers' shared body: a dry run (meta device, no process group), or ``job`` inside a
     distributed session with ``report(summary)`` on rank 0. Exit code 3 when the run stopped on
-    too many non-finite updates (the message names the last good checkpoint)."""
-    from mdlmpe_ds import engine
-    from mdlmpe_ds.trainer import NonFiniteError
+    too many non-finite updates (the message names the last good checkpoint); 128 + the signal
+    number when a SIGTERM/SIGINT or a lost launcher stopped it after a checkpoint (lifecycle.py)."""
+    from mdlmpe_ds import engine, lifecycle
+    from mdlmpe_ds.trainer import NonFiniteError, Stopped
 
     if args.dry_run:
+        os.environ["WORLD_SIZE"] = str(dry_run_world_size())  # no process group in a dry run
         job(run, args.deepspeed, resume=args.resume, dry_run=True)
         return 0
+    lifecycle.install(run.train.orphan_grace_s)
     with engine.distributed_session(run.train.dist_timeout_min):
         try:
             summary = job(run, args.deepspeed, resume=args.resume)
         except NonFiniteError as err:
             print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
             return 3
+        except Stopped as err:
+            if engine.rank() == 0:
+                print(f"[rank 0] {err}", file=sys.stderr, flush=True)
+            return err.exit_code
         if engine.rank() == 0:
             report(summary)
     return 0

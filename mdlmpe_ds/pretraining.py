@@ -31,12 +31,14 @@ import torch
 
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.data.fingerprint import Fingerprint
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.trainer import (
     SFTTrainer,
     _log,
     assert_same_on_all_ranks,
     build_engine,
+    check_resume_data,
     model_config_for,
     prepare_resume,
     rank_zero_first,
@@ -299,7 +301,7 @@ def run_pretrain(
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     model_config = model_config_for(run, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    resume_from = prepare_resume(resume, run, model_config, ds_config)
+    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run)
 
     def pack():
         return load_packed_corpus(
@@ -311,6 +313,10 @@ def run_pretrain(
     check_same_stream_on_all_ranks(dataset, d.dataset)
     if len(dataset) == 0:
         raise ValueError(f"corpus {d.dataset!r} is shorter than one {d.max_len}-token window")
+    fingerprint = (
+        Fingerprint().tokenizer(tokenizer).array("stream", dataset.stream).array("doc_ends", dataset.doc_ends)
+    ).hexdigest()
+    check_resume_data(resume_from, fingerprint, run)
     _log(
         f"data {d.dataset}: {len(dataset)} windows of {d.max_len} tokens "
         f"({dataset.num_tokens:,} tokens, {dataset.doc_ends.size} documents), tokenizer {tok_dir}"
@@ -325,7 +331,7 @@ def run_pretrain(
         return built
     trainer = PretrainTrainer(
         run, engine, model_config, dataset, sampler, packed_collate, total, resume_from, str(tok_dir),
-        validation=validation,
+        fingerprint, validation=validation,
     )  # fmt: skip
     summary = trainer.train()
     summary.update(

@@ -4,11 +4,15 @@ trainer never branches on the rank to log.
 
 One event stream per run directory: the writer appends to `output_dir/tensorboard/`, and a resumed
 run continues the same directory (points are keyed by the optimizer update, so the curves join).
+History holds each update once: a run starting at update k (0 for a fresh run) first drops what an
+earlier attempt logged after k, from `metrics.jsonl` (rewritten atomically) and from TensorBoard
+(`purge_step`), so a run killed after logging update 25 and resumed from update 20 shows 21-25 once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,10 +47,10 @@ class Tracker(NullTracker):
 
         self.log_dir = Path(output_dir) / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # purge_step drops points of an earlier attempt past the resume step (a run killed after
-        # logging step 25 but resumed from the step-20 checkpoint must not show step 21-25 twice).
-        self.writer = SummaryWriter(str(self.log_dir), purge_step=start_update + 1 if start_update else None)
-        self.metrics = open(Path(output_dir) / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=start_update + 1)
+        metrics_file = Path(output_dir) / "metrics.jsonl"
+        truncate_history(metrics_file, start_update)
+        self.metrics = open(metrics_file, "a")  # noqa: SIM115 (closed in close())
         self.bar = tqdm(
             total=total_updates,
             initial=start_update,
@@ -76,6 +80,24 @@ class Tracker(NullTracker):
         self.writer.close()
         self.metrics.close()
         self.bar.close()
+
+
+def truncate_history(metrics_file: Path, last_step: int) -> None:
+    """Keep the lines of ``metrics_file`` with step <= ``last_step`` (atomic rewrite). A line cut by a
+    kill mid-write is dropped too."""
+    if not metrics_file.is_file():
+        return
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+            kept.append(line + "\n")
+    tmp = metrics_file.with_name(metrics_file.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, metrics_file)
 
 
 def make_tracker(rank: int, output_dir: str | Path, total_updates: int, start_update: int = 0) -> NullTracker:

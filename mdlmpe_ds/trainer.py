@@ -22,6 +22,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds import engine as eng
+from mdlmpe_ds import lifecycle
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
 from mdlmpe_ds.tracking import make_tracker
@@ -50,6 +52,15 @@ T_BUCKETS = 10
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite updates."""
+
+
+class Stopped(RuntimeError):
+    """The run stopped on a signal or a lost launcher after saving a checkpoint; ``exit_code`` is
+    128 + the signal number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -136,6 +147,7 @@ class SFTTrainer:
         total_updates: int,
         resume_from: Path | None,
         tokenizer_dir: str = "",
+        data_fingerprint: str | None = None,
     ) -> None:
         from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
         from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
@@ -148,6 +160,8 @@ class SFTTrainer:
         self.dataset, self.sampler, self.collator = dataset, sampler, collator
         self.total_updates = total_updates
         self.tokenizer_dir = str(tokenizer_dir)
+        self.data_fingerprint = data_fingerprint
+        self.stop_requested = False
         self.rank, self.world = eng.rank(), eng.world_size()
         self.state = TrainerState()
         self.loss_family = model_config.family if run.train.loss == "auto" else run.train.loss
@@ -247,7 +261,12 @@ class SFTTrainer:
                 bucket_sum[b] += nll
                 bucket_cnt[b] += count
         applied = bool(self.engine.was_step_applied())
-        reduced = _all_reduce_sum([loss_sum, tokens, samples, *bucket_sum, *bucket_cnt])
+        # The stop flag rides on the update's own all-reduce, so every rank sees the same sum and
+        # stops after the same update, wherever its signal arrived.
+        stop = 1.0 if lifecycle.stop_reason() is not None else 0.0
+        reduced = _all_reduce_sum([loss_sum, tokens, samples, *bucket_sum, *bucket_cnt, stop])
+        self.stop_requested = reduced[-1] > 0
+        reduced = reduced[:-1]
         loss_mean = reduced[0] / (t.grad_accum * self.world)
         self.state.step += 1
         self.state.tokens_seen += int(reduced[1])
@@ -337,8 +356,15 @@ class SFTTrainer:
                         f"then resume with --resume {where or 'auto'}"
                     )
                 stopping = t.stop_at is not None and step >= t.stop_at
-                if step % t.save_every == 0 or step == self.total_updates or stopping:
+                if step % t.save_every == 0 or step == self.total_updates or stopping or self.stop_requested:
                     self.save()
+                if self.stop_requested:
+                    reason = lifecycle.stop_reason() or "another rank was asked to stop"
+                    raise Stopped(
+                        f"stopped after update {step} ({reason}); checkpoint {self.last_good} is "
+                        f"complete: continue with --resume auto",
+                        lifecycle.exit_code() or 128 + signal.SIGTERM,
+                    )
                 if stopping:
                     self.tracker.print(
                         f"stopping at update {step} (train.stop_at); resume with --resume auto"
@@ -378,39 +404,48 @@ class SFTTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
-        """DeepSpeed shards + per-rank state + config, barrier, COMPLETE, latest, prune."""
+        """Everything into ``step_N.saving``: DeepSpeed shards, per-rank state, config; every rank
+        fsyncs; barrier; rank 0 writes the manifest and COMPLETE and swaps the directory in as
+        ``step_N`` (replacing an older copy atomically), then prunes (checkpoint.py)."""
         t = self.run.train
-        path = ckpt.step_dir(t.output_dir, self.state.step)
+        final = ckpt.step_dir(t.output_dir, self.state.step)
+        staging = ckpt.staging_dir(t.output_dir, self.state.step)
         if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
+            for action in ckpt.recover_interrupted(t.output_dir):
+                self.tracker.print(action)
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
         eng.barrier()
-        self.engine.save_checkpoint(str(path), tag=ckpt.DS_TAG, save_latest=False)
+        self.engine.save_checkpoint(str(staging), tag=ckpt.DS_TAG, save_latest=False)
         self.state.sampler = self.sampler.state_dict()
         ckpt.write_trainer_state(
-            path,
+            staging,
             self.rank,
             {"trainer": asdict(self.state), "rng": ckpt.rng_state(), "numerics": ckpt.numerics_state()},
         )
         if self.rank == 0:
             ckpt.write_meta(
-                path,
+                staging,
                 self.state.step,
                 self.world,
                 self.run.to_dict(),
                 self.model_config.to_dict(),
                 self.tokenizer_dir,
+                self.data_fingerprint,
             )
+        ckpt.fsync_tree(staging)
         eng.barrier()
         if self.rank == 0:
             if os.environ.get(FAULT_KILL_IN_SAVE) == str(self.state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
-            ckpt.mark_complete(path)
-            for gone in ckpt.prune(t.output_dir, t.keep_last):
+            ckpt.finalize(staging, final)
+            for gone in ckpt.prune(t.output_dir, t.keep_last, keep=final):
                 self.tracker.print(f"removed old checkpoint {gone}")
         eng.barrier()
-        self.last_good = path
-        self.tracker.print(f"saved checkpoint {path}")
-        return path
+        self.last_good = final
+        self.tracker.print(f"saved checkpoint {final}")
+        return final
 
     def _resume(self, path: Path) -> None:
         saved = ckpt.read_saved_run(path)
@@ -583,12 +618,50 @@ def assert_same_on_all_ranks(fingerprint: list[float], what: str) -> None:
         raise RuntimeError(f"{what} (fingerprints {[g.tolist() for g in gathered]})")
 
 
-def prepare_resume(resume: str | None, run: RunConfig, model_config, ds_config: dict) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run), checked against this model before any data
-    or engine work; a checkpoint of another world size switches the engine to its universal copy."""
-    resume_from = ckpt.resolve_resume(resume, run.train.output_dir)
+def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False) -> None:
+    """Rank 0, then everyone: finish or discard what a killed save left; refuse (or, with
+    train.overwrite_output_dir, clear) an output_dir holding another run's checkpoints when this run
+    does not resume. A dry run only checks."""
+    t = run.train
+    if eng.rank() == 0:
+        for action in [] if dry_run else ckpt.recover_interrupted(t.output_dir):
+            _log(action)
+        existing = ckpt.existing_run(t.output_dir)
+        if resume is None and existing:
+            if not t.overwrite_output_dir:
+                names = ", ".join(p.name for p in existing)
+                raise FileExistsError(
+                    f"{t.output_dir} already holds checkpoints of a run ({names}). "
+                    f"Continue it with --resume auto, or start over with --overwrite_output_dir true "
+                    f"(deletes its checkpoints, metrics and TensorBoard logs), or pick another --output_dir"
+                )
+            out = Path(t.output_dir)
+            if dry_run:
+                _log(f"--overwrite_output_dir: the run would delete the earlier run in {out}")
+                return
+            for stale in (ckpt.checkpoints_root(out), out / "tensorboard"):
+                shutil.rmtree(stale, ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            _log(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
+    eng.barrier()
+
+
+def prepare_resume(
+    resume: str | None, run: RunConfig, model_config, ds_config: dict, dry_run: bool = False
+) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run), verified against its manifest and checked
+    against this model before any data or engine work; checkpoints newer than it are moved aside
+    (checkpoint.supersede_newer); a checkpoint of another world size switches the engine to its
+    universal copy."""
+    prepare_output_dir(resume, run, dry_run)
+    resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=_log)
+    eng.barrier()  # every rank has verified before rank 0 may move anything
     if resume_from is None:
         return None
+    if eng.rank() == 0 and not dry_run:
+        for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
+            _log(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
+    eng.barrier()
     saved = ckpt.read_saved_run(resume_from)
     ckpt.check_same_model(saved, model_config.to_dict())
     world = eng.world_size()
@@ -624,6 +697,28 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
 
 
+def check_resume_data(resume_from: Path | None, fingerprint: str, run: RunConfig) -> None:
+    """Refuse to resume on other data than the checkpoint's (train.allow_data_change overrides)."""
+    if resume_from is None:
+        return
+    warning = ckpt.check_same_data(ckpt.read_saved_run(resume_from), fingerprint, run.train.allow_data_change)
+    if warning:
+        _log(warning)
+
+
+def sft_data_fingerprint(dataset, tokenizer) -> str:
+    """SHA-256 of the tokenizer and of every tokenized example (ids and prompt length), in order."""
+    from mdlmpe_ds.data.fingerprint import Fingerprint
+
+    fp = Fingerprint().tokenizer(tokenizer)
+    return (
+        fp.array("tokens", dataset.tokens)
+        .array("offsets", dataset.offsets)
+        .array("prompt_lens", dataset.prompt_lens)
+        .hexdigest()
+    )
+
+
 def rank_zero_first(build: Callable[[], Any]) -> Any:
     """``build()`` on rank 0, then on the others: `datasets` writes its Arrow cache (and we our
     tokenizer cache) on first use, and ranks building it at the same time were seen to disagree."""
@@ -649,7 +744,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model_config = model_config_for(run, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    resume_from = prepare_resume(resume, run, model_config, ds_config)
+    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run)
 
     dataset, stats = rank_zero_first(
         lambda: build_sft_dataset(
@@ -666,6 +761,8 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     _log(f"data {source}: {stats.summary()}")
     if len(dataset) == 0:
         raise ValueError(f"{source}: no usable SFT examples")
+    fingerprint = sft_data_fingerprint(dataset, tokenizer)
+    check_resume_data(resume_from, fingerprint, run)
     lengths = dataset.lengths
     sampler = LengthGroupedSampler(lengths, t.micro_batch_size, rank=rank, world_size=world, seed=t.seed)
     total = total_updates_for(run, len(sampler))
@@ -688,7 +785,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     if engine is None:
         return built
     trainer = SFTTrainer(
-        run, engine, model_config, dataset, sampler, collator, total, resume_from, str(tok_dir)
+        run, engine, model_config, dataset, sampler, collator, total, resume_from, str(tok_dir), fingerprint
     )
     summary = trainer.train()
     summary.update({"total_updates": total, "tokenizer": str(tok_dir), "output_dir": t.output_dir})

@@ -15,7 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "launch" / "sft.py"
-CPU_CONFIG = REPO / "ds_configs" / "zero3_cpu_test.json"
+# The config users run: the tests pass only what the CPU needs on the command line.
+DS_CONFIG = REPO / "ds_configs" / "zero3.json"
+DEEPSPEED = Path(sys.executable).with_name("deepspeed")  # the launcher in this interpreter's bin/
 
 # A small, fast run: tiny LLaDA-family model + MDLMPE (reference-free blocked backend, per-block
 # checkpointing on), the word-level fixture tokenizer, fp32, 2 micro-batches accumulated per update.
@@ -75,7 +77,7 @@ def command(args: list[str], nproc: int = 2) -> list[str]:
         f"--master_port={free_port()}",
         str(SFT),
         "--deepspeed",
-        str(CPU_CONFIG),
+        str(DS_CONFIG),
         *args,
     ]
 
@@ -113,6 +115,49 @@ def launch_and_kill_when(args: list[str], ready, timeout: float = 240) -> str:
     return log.read_text()
 
 
+def deepspeed_command(args: list[str]) -> list[str]:
+    """The README's command: the `deepspeed` launcher on launch/sft.py with the shipped config (on a
+    CPU-only machine it starts one rank, which re-launches itself on 2 under torchrun)."""
+    return [str(DEEPSPEED), "--master_port", str(free_port()), str(SFT), "--deepspeed", str(DS_CONFIG), *args]
+
+
+def start_as_user(args: list[str], log: Path) -> subprocess.Popen:
+    """Start the README's command in a session of its own (its process group is the job's launcher
+    group), with 2 CPU ranks as on a user's machine; output to ``log``."""
+    with open(log, "w") as fh:
+        return subprocess.Popen(
+            deepspeed_command(args),
+            env=env({"MDLMPE_DS_CPU_RANKS": "2"}),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+
+def wait_until(ready, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) too early:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in time:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still run (zombies count as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (torchrun starts its workers in sessions of their own, so a
     process-group kill would miss them)."""
@@ -139,13 +184,21 @@ def kill_tree(pid: int) -> None:
 
 
 def metrics(output_dir: Path) -> dict[int, dict]:
-    """step -> the last metrics line logged for it (a resumed run re-logs steps after its checkpoint)."""
-    out: dict[int, dict] = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out[row["step"]] = row
-    return out
+    """step -> its metrics line. The history must hold each update once, in order, also after any
+    number of kills and resumes (tracking.py): a repeated or out-of-order step fails here."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [row["step"] for row in rows]
+    assert steps == list(range(1, len(steps) + 1)), f"{output_dir}/metrics.jsonl steps: {steps}"
+    return {row["step"]: row for row in rows}
+
+
+def tensorboard_steps(output_dir: Path, tag: str = "train/loss") -> list[int]:
+    """The steps TensorBoard shows for ``tag`` (after purge_step handling of resumed runs)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(output_dir / "tensorboard"))
+    acc.Reload()
+    return [event.step for event in acc.Scalars(tag)]
 
 
 def check(proc: subprocess.CompletedProcess, what: str) -> None:

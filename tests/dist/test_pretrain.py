@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from sft_runs import CPU_CONFIG, REPO, check, env, free_port, metrics
+from sft_runs import DS_CONFIG, REPO, check, env, free_port, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -39,7 +39,7 @@ def data(assets, tmp_path_factory):
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        str(PRETRAIN), "--deepspeed", str(CPU_CONFIG), *args,
+        str(PRETRAIN), "--deepspeed", str(DS_CONFIG), *args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -88,7 +88,7 @@ def test_compare_pe_end_to_end_and_rerun_reuses_results(data, tmp_path):
     out = tmp_path / "compare"
     args = [
         sys.executable, str(REPO / "launch" / "compare_pe.py"), "--encodings", "rope", "mdlmpe",
-        "--seeds", "0", "--out", str(out), "--deepspeed", str(CPU_CONFIG), "--corpora", "botchan",
+        "--seeds", "0", "--out", str(out), "--deepspeed", str(DS_CONFIG), "--corpora", "botchan",
         "--score_windows", "4", "--score_draws", "4", *data, "--max_steps", "2", "--save_every", "2",
     ]  # fmt: skip
     first = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -449,7 +449,7 @@ def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypat
         path.mkdir(parents=True)
         ckpt.write_meta(path, step, 1, {}, llada.config.to_dict(), str(tok_dir))
         if complete:
-            ckpt.mark_complete(path)
+            ckpt.finalize(path.rename(path.with_name(path.name + ckpt.STAGING)), path)
     seen = []
 
     def fake_reader(step_dir):

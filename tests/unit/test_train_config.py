@@ -55,8 +55,12 @@ def test_warmup_cosine_shape():
 # ------------------------------------------------------------------ ds config arithmetic
 def test_ds_config_batch_mismatch_names_both(tmp_path):
     run = build_config(None, ["--micro_batch_size", "8"])
-    with pytest.raises(ValueError, match=r"zero3\.json sets train_micro_batch_size_per_gpu=4 .* = 8"):
-        prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=2)
+    # The shipped config leaves the batch arithmetic to the training config ("auto").
+    assert prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=2)["train_batch_size"] == 16
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match=r"fixed\.json sets train_micro_batch_size_per_gpu=4 .* = 8"):
+        prepare_ds_config(fixed, run, world=2)
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError, match=r"train_batch_size=16 .* world size 2 = 8"):
@@ -84,12 +88,12 @@ def test_resume_auto_ignores_incomplete(tmp_path):
         d = ckpt.step_dir(tmp_path, step)
         d.mkdir(parents=True)
         if complete:
-            ckpt.mark_complete(d)
+            ckpt.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
     (ckpt.checkpoints_root(tmp_path) / "latest").write_text("step_000006\n")  # stale hint
     assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
     with pytest.raises(ValueError, match="no COMPLETE marker"):
         ckpt.resolve_resume(str(ckpt.step_dir(tmp_path, 6)), tmp_path)
-    removed = ckpt.prune(tmp_path, keep_last=1)
+    removed = ckpt.prune(tmp_path, keep_last=1, keep=ckpt.step_dir(tmp_path, 4))
     assert sorted(p.name for p in removed) == ["step_000002"]  # incomplete step 6 is newer: kept
     assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
 
@@ -175,7 +179,7 @@ def test_checkpoint_from_another_model(fixture_data, tmp_path):
     d.mkdir(parents=True)
     other = {"family": "dream", "hidden_size": 999}
     ckpt.write_meta(d, 4, 2, {}, other, "")
-    ckpt.mark_complete(d)
+    ckpt.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
     run = build_config(None, ["--tokenizer", str(tok), "--dataset", str(chat), "--output_dir", str(out)])
     with pytest.raises(ValueError, match=r"(?s)from another model.*hidden_size: checkpoint 999"):
         run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume="auto", dry_run=True)

@@ -1,0 +1,280 @@
+"""Checkpoint safety without a process group: atomic swap and its recovery, manifest verification,
+superseded continuations, history truncation, data fingerprints, the fresh-run guard, signals and the
+launcher watchdog, and the parameter dtype that DeepSpeed's zero.Init must not change."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds.data.fingerprint import Fingerprint
+from mdlmpe_ds.tracking import truncate_history
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def save(out: Path, step: int, payload: bytes = b"x" * 3000, shards: int = 2) -> Path:
+    """A checkpoint as Trainer.save writes it: files into step_N.saving, then finalize."""
+    staging = ckpt.staging_dir(out, step)
+    (staging / "ds").mkdir(parents=True)
+    for r in range(shards):
+        (staging / "ds" / f"rank{r}_optim_states.pt").write_bytes(payload + bytes([step, r]))
+    ckpt.write_meta(staging, step, 2, {}, {"hidden_size": 8}, "tok", "fp-a")
+    final = ckpt.step_dir(out, step)
+    ckpt.finalize(staging, final)
+    return final
+
+
+def test_finalize_swaps_a_resaved_step_in_atomically(tmp_path):
+    first = save(tmp_path, 6, b"old" * 1000)
+    second = save(tmp_path, 6, b"new" * 1000)
+    assert first == second and ckpt.is_complete(second)
+    assert (second / "ds" / "rank0_optim_states.pt").read_bytes().startswith(b"new")
+    assert sorted(p.name for p in ckpt.checkpoints_root(tmp_path).iterdir()) == ["latest", "step_000006"]
+    assert ckpt.verify(second) == []
+    manifest = json.loads((second / ckpt.MANIFEST).read_text())["files"]
+    assert set(manifest) == {"config.json", "ds/rank0_optim_states.pt", "ds/rank1_optim_states.pt"}
+
+
+def test_recover_interrupted_saves_and_swaps(tmp_path):
+    root = ckpt.checkpoints_root(tmp_path)
+    save(tmp_path, 2)
+    # (a) killed while writing: never resumed from, removed.
+    (ckpt.staging_dir(tmp_path, 4) / "ds").mkdir(parents=True)
+    # (b) killed between the two renames of a re-save of 6: the new copy is complete, the old aside.
+    save(tmp_path, 6, b"old" * 100)
+    os.rename(ckpt.step_dir(tmp_path, 6), root / f"step_000006{ckpt.REPLACED}")
+    newer = save(tmp_path, 8, b"new" * 100)
+    os.rename(newer, ckpt.staging_dir(tmp_path, 6))  # a complete staging dir standing in for step 6
+    # (c) only the old copy of step 10 remains (the new one vanished): it is restored.
+    save(tmp_path, 10)
+    os.rename(ckpt.step_dir(tmp_path, 10), root / f"step_000010{ckpt.REPLACED}")
+    actions = ckpt.recover_interrupted(tmp_path)
+    assert any("removed the interrupted save" in a and "step_000004" in a for a in actions)
+    assert any("completed the interrupted swap" in a and "step_000006" in a for a in actions)
+    assert any("restored" in a and "step_000010" in a for a in actions)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", "step_000002", "step_000006", "step_000010"]
+    assert (ckpt.step_dir(tmp_path, 6) / "ds" / "rank0_optim_states.pt").read_bytes().startswith(b"new")
+    assert ckpt.recover_interrupted(tmp_path) == []  # idempotent
+
+
+def test_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
+    save(tmp_path, 2)
+    newest = save(tmp_path, 4)
+    shard = newest / "ds" / "rank1_optim_states.pt"
+    with open(shard, "r+b") as fh:
+        fh.truncate(100)
+    problems = ckpt.verify(newest)
+    assert len(problems) == 1 and str(shard) in problems[0] and "truncated" in problems[0]
+    logged = []
+    assert ckpt.resolve_resume("auto", tmp_path, log=logged.append).name == "step_000002"
+    assert "skipping damaged checkpoint" in logged[0] and shard.name in logged[0]
+    with pytest.raises(ValueError, match=r"damaged.*rank1_optim_states\.pt"):
+        ckpt.resolve_resume(str(newest), tmp_path)
+
+
+def test_same_size_corruption_fails_the_checksum(tmp_path):
+    path = save(tmp_path, 2, payload=os.urandom(3 << 20))  # > 3 sampled MiB: head, middle, tail
+    shard = path / "ds" / "rank0_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert any("checksum" in p and shard.name in p for p in ckpt.verify(path))
+
+
+def test_checkpoints_without_a_manifest_still_resume(tmp_path):
+    path = save(tmp_path, 2)
+    (path / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(path) == [] and ckpt.resolve_resume("auto", tmp_path) == path
+
+
+def test_resuming_an_older_step_sets_newer_ones_aside(tmp_path):
+    four, _ = save(tmp_path, 4), save(tmp_path, 8)
+    moved = ckpt.supersede_newer(tmp_path, four)
+    assert [p.parent.name for p in moved] == [ckpt.SUPERSEDED] and moved[0].name.startswith("step_000008-")
+    assert ckpt.newest_complete(tmp_path) == four
+    assert (ckpt.checkpoints_root(tmp_path) / "latest").read_text().strip() == "step_000004"
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
+    two, four = save(tmp_path, 2), save(tmp_path, 4)
+    assert ckpt.prune(tmp_path, keep_last=1, keep=two) == []  # the newer one is the one kept by count
+    assert two.is_dir() and four.is_dir()
+    assert ckpt.prune(tmp_path, keep_last=1, keep=four) == [two]
+
+
+def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.trainer import prepare_output_dir
+
+    save(tmp_path, 2)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = build_config(None, ["--output_dir", str(tmp_path)])
+    with pytest.raises(FileExistsError, match=r"step_000002.*--resume auto.*--overwrite_output_dir true"):
+        prepare_output_dir(None, run)
+    prepare_output_dir("auto", run)  # resuming is fine
+    overwrite = build_config(None, ["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"])
+    prepare_output_dir(None, overwrite, dry_run=True)  # a dry run deletes nothing
+    assert ckpt.step_dir(tmp_path, 2).is_dir()
+    prepare_output_dir(None, overwrite)
+    assert not ckpt.checkpoints_root(tmp_path).exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_history_keeps_each_update_once(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": s} for s in (1, 2, 3, 4, 5, 6)]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 7, "train/lo')  # torn
+    truncate_history(metrics, 4)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    truncate_history(metrics, 0)
+    assert metrics.read_text() == ""
+
+
+def test_data_fingerprint_is_content_sensitive_and_checked(tmp_path):
+    def fp(tokens, prompt_lens=(2, 1)):
+        return Fingerprint().array("tokens", tokens).array("prompt_lens", list(prompt_lens)).hexdigest()
+
+    a = fp([5, 6, 7, 8])
+    assert a == fp([5, 6, 7, 8]) and a != fp([5, 6, 8, 7]) and a != fp([5, 6, 7, 8], (1, 2))
+    saved = ckpt.SavedRun(tmp_path, 4, 2, {}, {}, None, a)
+    assert ckpt.check_same_data(saved, a, allow_change=False) is None
+    with pytest.raises(ValueError, match=r"other data.*--allow_data_change true"):
+        ckpt.check_same_data(saved, fp([1]), allow_change=False)
+    assert "warning" in ckpt.check_same_data(saved, fp([1]), allow_change=True)
+    old = ckpt.SavedRun(tmp_path, 4, 2, {}, {}, None, None)  # written before fingerprints existed
+    assert ckpt.check_same_data(old, a, allow_change=False) is None
+
+
+def test_fp16_ds_config_is_refused_by_name(tmp_path):
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.engine import prepare_ds_config
+
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    cfg["fp16"] = {"enabled": True}
+    path = tmp_path / "fp16.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"fp16\.json: fp16 is not supported"):
+        prepare_ds_config(path, build_config(None, []), world=2)
+
+
+def test_dry_run_checks_the_batch_against_the_ranks_the_run_will_have(monkeypatch):
+    from mdlmpe_ds import launching
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv(launching.CPU_RANKS_ENV, raising=False)
+    assert launching.dry_run_world_size() == 2  # CPU-only: the re-launch's default
+    monkeypatch.setenv("WORLD_SIZE", "1")  # what the deepspeed launcher sets for one CPU "device"
+    assert launching.dry_run_world_size() == 2
+    monkeypatch.setenv(launching.CPU_RANKS_ENV, "1")
+    assert launching.dry_run_world_size() == 1
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert launching.dry_run_world_size() == 8
+
+
+def _python(code: str, timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **env},
+        cwd=REPO,
+    )
+
+
+def test_signals_request_a_graceful_stop_and_repeats_are_harmless():
+    proc = _python(
+        """
+        import os, signal
+        from mdlmpe_ds import lifecycle
+        lifecycle.install(grace_s=30)
+        for _ in range(3):  # the deepspeed launcher, torchrun and a scheduler each pass one on
+            os.kill(os.getpid(), signal.SIGTERM)
+        print("alive", lifecycle.stop_reason(), lifecycle.exit_code())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "alive received SIGTERM 143" in proc.stdout
+
+
+def test_watchdog_stops_a_process_whose_launcher_died(tmp_path):
+    """A python 'launcher' starts a worker in a session of its own (as torchrun does) and is then
+    SIGKILLed: the worker notices, requests the stop, and exits after the grace period."""
+    marker = tmp_path / "worker.txt"
+    proc = _python(
+        f"""
+        import os, signal, subprocess, sys, time
+        worker = '''
+        import time, sys
+        from mdlmpe_ds import lifecycle
+        chain = lifecycle.install(grace_s=1.0, interval_s=0.1)
+        open({str(marker)!r}, "w").write(str(len(chain)))
+        while True:
+            time.sleep(0.05)
+            if lifecycle.stop_reason():
+                open({str(marker)!r}, "a").write(" " + lifecycle.stop_reason())
+        '''
+        launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], start_new_session=True); "
+            "print(p.pid, flush=True); time.sleep(60)", worker], stdout=subprocess.PIPE, text=True)
+        pid = int(launcher.stdout.readline())
+        while not os.path.exists({str(marker)!r}):
+            time.sleep(0.05)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print("worker gone")
+                break
+            if open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                print("worker gone")
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            print("worker survived")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "worker gone" in proc.stdout, proc.stdout + proc.stderr
+    text = marker.read_text()
+    assert int(text.split()[0]) >= 2  # the launcher and this test's python are watched
+    assert "launcher process" in text and "exited" in text
+
+
+def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
+    """DeepSpeed 0.19.8's zero.Init gave bf16 parameters to an fp32 run on a CPU accelerator without
+    fp16 support (operator precedence in _set_dtype). Forced here so that it fails on any machine."""
+    proc = _python(
+        """
+        import os, torch
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: False
+        from mdlmpe_ds import engine
+        from mdlmpe_ds.config import build_config
+        from mdlmpe_ds.models import DiffusionLM, preset
+        run = build_config(None, ["--precision", "fp32", "--micro_batch_size", "1"])
+        ds = engine.prepare_ds_config("ds_configs/zero3.json", run, world=1)
+        with engine.distributed_session(1.0):
+            model = engine.build_model(lambda: DiffusionLM(preset("llada-tiny", position_encoding="mdlmpe")), ds)
+            print(sorted({str(p.dtype) for p in model.parameters()}))
+            try:
+                engine.check_param_dtypes(model, torch.bfloat16)
+            except RuntimeError as err:
+                print("check works:", "torch.bfloat16" in str(err))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "['torch.float32']" in proc.stdout, proc.stdout
+    assert "check works: True" in proc.stdout
