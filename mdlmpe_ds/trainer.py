@@ -434,6 +434,7 @@ class SFTTrainer:
                 self.tokenizer_dir,
                 self.data_fingerprint,
             )
+        eng.barrier()  # every rank's files are written (no .tmp left) before anyone flushes
         ckpt.fsync_tree(staging)
         eng.barrier()
         if self.rank == 0:
