@@ -233,7 +233,23 @@ def _iter_rows(source: str | Path, split: str) -> Iterator[Any]:
     if fmt == "json":
         yield from _json_rows(source)
         return
+    if fmt == "parquet":
+        _check_parquet(source)
     yield from load_sft_rows(source, split)
+
+
+def _check_parquet(path: str) -> None:
+    """Read a local parquet file's footer before ``datasets`` does: it reports a truncated file
+    without naming it, and fails on a file with no rows ("BatchSize must be greater than 0")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise SFTDataError(f"{path}: not a readable parquet file, truncated or corrupt? ({e})") from e
+    if rows == 0:
+        raise SFTDataError(f"{path}: no rows (the parquet file holds none)")
 
 
 # ----------------------------------------------------------------------------------------------

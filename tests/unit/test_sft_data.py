@@ -360,6 +360,23 @@ def test_file_without_rows_is_named(tmp_path, llada_tok, name, text):
         build_sft_dataset(tmp_path / name, llada_tok, "llada", max_len=512)
 
 
+def test_parquet_truncated_or_without_rows_is_named(tmp_path, llada_tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "none.parquet"
+    pq.write_table(
+        pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), empty
+    )
+    with pytest.raises(SFTDataError, match=r"none\.parquet: no rows"):
+        build_sft_dataset(empty, llada_tok, "llada", max_len=512)
+    cut = tmp_path / "cut.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"] * 8, "response": ["4"] * 8}), cut)
+    cut.write_bytes(cut.read_bytes()[:-20])  # an interrupted copy: the footer is gone
+    with pytest.raises(SFTDataError, match=r"cut\.parquet: not a readable parquet file"):
+        build_sft_dataset(cut, llada_tok, "llada", max_len=512)
+
+
 def test_json_reader_keeps_bom_crlf_and_line_separators(tmp_path, llada_tok):
     """A UTF-8 BOM, CRLF line ends and U+2028 inside a string (legal in JSON) are one row each."""
     row = json.dumps({"prompt": "a\u2028b", "response": "c"}, ensure_ascii=False).encode()
