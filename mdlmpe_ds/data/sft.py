@@ -261,6 +261,19 @@ def _type_name(x: Any) -> str:
     return "null" if x is None else type(x).__name__
 
 
+def _not_unicode(text: str) -> bool:
+    """True for a string holding a lone surrogate: JSON allows escapes such as "\\ud800", but no
+    tokenizer takes them (a TypeError naming no row)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_LONE_SURROGATE = "is not valid Unicode (a lone surrogate such as \\ud800)"
+
+
 def row_messages(row: Any) -> list[Message]:
     """The validated ``messages`` of one row (``prompt``/``response`` rows are converted).
 
@@ -289,6 +302,8 @@ def row_messages(row: Any) -> list[Message]:
                 raise _Malformed(f"message {k} ({role}) has no 'content'")
             if not isinstance(content, str):
                 raise _Malformed(f"message {k} ({role}) content is {_type_name(content)}, expected a string")
+            if _not_unicode(content):
+                raise _Malformed(f"message {k} ({role}) content {_LONE_SURROGATE}")
             if role == "assistant" and not content.strip():
                 raise _Malformed(f"message {k} (assistant) is empty")
             messages.append({"role": role, "content": content})
@@ -305,6 +320,9 @@ def row_messages(row: Any) -> list[Message]:
             raise _Malformed("'response' is empty")
         if system is not None and not isinstance(system, str):
             raise _Malformed(f"'system' is {_type_name(system)}, expected a string")
+        for key, value in (("prompt", prompt), ("response", response), ("system", system or "")):
+            if _not_unicode(value):
+                raise _Malformed(f"'{key}' {_LONE_SURROGATE}")
         messages = [{"role": "system", "content": system}] if system else []
         return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     raise _Malformed(f"row has neither 'messages' nor 'prompt'/'response' (keys: {sorted(row)})")

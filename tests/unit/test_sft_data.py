@@ -254,6 +254,12 @@ MALFORMED = [
     ({"messages": [{"content": "hi"}, CONV[1]]}, "message 0 has no 'role'"),
     ({"messages": []}, "'messages' is empty"),
     ({"prompt": "hi", "response": ""}, "'response' is empty"),
+    # Valid JSON ("\\ud800" escapes) but not text: the tokenizer raised a TypeError naming no row.
+    ({"prompt": "a\ud800b", "response": "c"}, r"'prompt' is not valid Unicode \(a lone surrogate"),
+    (
+        {"messages": [{"role": "user", "content": "\udce9"}, CONV[1]]},
+        r"message 0 \(user\) content is not valid",
+    ),
 ]
 
 
