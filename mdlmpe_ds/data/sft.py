@@ -195,6 +195,7 @@ def _json_array_rows(path: str, data: bytes, first_line: int, offset: int) -> It
         line = first_line + data.count(b"\n", 0, e.start)
         bad_utf8 = f"byte 0x{data[e.start]:02x} at line {line}, byte offset {offset + e.start} of the file"
         text = data.decode("utf-8", errors="surrogateescape")  # invalid bytes -> lone surrogates
+        # (rows holding one are found after parsing: their JSON text is not valid Unicode)
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
@@ -205,20 +206,11 @@ def _json_array_rows(path: str, data: bytes, first_line: int, offset: int) -> It
     if not isinstance(rows, list):
         raise SFTDataError(f"{path}: a JSON file starting with '[' must be an array of rows")
     for row in rows:
-        if bad_utf8 is not None and not _encodes_as_utf8(row):
+        if bad_utf8 is not None and _not_unicode(json.dumps(row, ensure_ascii=False)):
             detail = f"holds bytes that are not valid UTF-8 (the file's first: {bad_utf8})"
             yield _BadLine(None, "not valid UTF-8", detail)
         else:
             yield row
-
-
-def _encodes_as_utf8(value: Any) -> bool:
-    """False if any string in ``value`` holds a lone surrogate (an undecodable byte, escaped)."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _iter_rows(source: str | Path, split: str) -> Iterator[Any]:
