@@ -101,15 +101,31 @@ class Session:
     def decode(self, ids: Any) -> str:
         return self.tokenizer.decode(trim_at_eos(ids, self.eos_id), skip_special_tokens=True)
 
+    def check_length(self, prompts: list[list[int]]) -> None:
+        """Refuse a prompt + ``gen_length`` longer than the model's ``max_seq_len``: positions past it
+        were never trained (absolute embeddings have no row for them, MDLMPE's L_ref is max_seq_len),
+        so printing what comes out would pass off out-of-range text as an answer."""
+        limit, gen = self.model.config.max_seq_len, self.config.gen_length
+        for r, ids in enumerate(prompts):
+            if len(ids) + gen > limit:
+                which = f"prompt {r + 1}" if len(prompts) > 1 else "the prompt"
+                raise SystemExit(
+                    f"{which} has {len(ids)} tokens + --gen_length {gen} = {len(ids) + gen} tokens, more "
+                    f"than the model's maximum length {limit} (max_seq_len in its config); shorten the "
+                    "prompt or lower --gen_length"
+                )
+
     def run(self, texts: list[str], out=sys.stdout) -> list[str]:
         def on_step(step: int, block: int, responses: torch.Tensor) -> None:
             for r, row in enumerate(responses):
                 shown = self.tokenizer.decode(row.tolist(), skip_special_tokens=False)
                 print(f"[step {step} block {block} row {r}] {shown}", file=out)
 
+        prompts = [self.encode(t) for t in texts]
+        self.check_length(prompts)
         result = generate(
             self.model,
-            [self.encode(t) for t in texts],
+            prompts,
             self.config,
             on_step=on_step if self.show_steps else None,
         )

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ ROLES = ("system", "user", "assistant")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 DEFAULT_RESPONSE_END = {"llada": "turn", "dream": "eos"}
 _TOKENIZE_CHUNK = 1024
+_LOGGED_BAD_LINES = 20  # skipped undecodable lines named in the log; the rest are only counted
 
 
 class SFTDataError(ValueError):
@@ -122,49 +123,125 @@ def load_sft_rows(source: str | Path, split: str = "train") -> Any:
     return datasets.load_dataset(source, split=split)
 
 
-def _json_rows(path: str) -> Iterator[Any]:
-    """Rows of a local .json (a list of objects, or one object per line) / .jsonl, parsed directly.
+class _BadLine(NamedTuple):
+    """Internal: a unit of a local JSON file that cannot become a row (bytes that are not UTF-8, text
+    that is not JSON). ``build_sft_dataset`` fails on it naming the file, row and line, or, with
+    ``skip_malformed``, skips and counts it under ``kind`` like any malformed row."""
 
-    Used when ``datasets`` cannot build a table (rows of mixed types), so the error can still name
-    the row.
+    line: int | None  # 1-based line of the file (None: a row of a JSON array, whose line is unknown)
+    kind: str  # the skip reason counted in SFTDataStats.skip_reasons
+    detail: str  # the rest of the error message, e.g. "is not valid JSON (Expecting value: ...)"
+
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _json_rows(path: str) -> Iterator[Any]:
+    """Rows of a local .json / .jsonl file, parsed here rather than by ``datasets``.
+
+    ``datasets`` (pyarrow) fails a whole file on one line that is not JSON, names no line for bytes
+    that are not UTF-8 (and may only fail later, while rows are iterated), and cannot skip either.
+    Parsing here names the line, lets ``skip_malformed`` skip exactly that line, streams (memory
+    does not grow with the file) and writes no Arrow copy of the file to the datasets cache.
+
+    - JSON Lines (.jsonl, or a .json whose first character is not '['): each non-blank line is
+      one row; a line that is not UTF-8 or not JSON is yielded as a ``_BadLine``. Lines are split
+      on b"\\n" only (JSON strings may hold U+2028 and friends, which ``str.splitlines`` splits on).
+    - A JSON array: one document, parsed whole. If it is not valid JSON it cannot be cut into rows,
+      so that is an error even with ``skip_malformed``. Bytes that are not UTF-8 are decoded with
+      ``surrogateescape`` so the rest parses, and each row holding such bytes is a ``_BadLine``.
     """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SFTDataError(f"{path}: not valid JSON ({e})") from e
-        yield from rows
-        return
-    row_index = 0
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SFTDataError(f"{path}: row {row_index} (line {line_no}) is not valid JSON ({e})") from e
-        row_index += 1
+    with open(path, "rb") as f:
+        lines = enumerate(f, start=1)
+        offset = 0  # byte offset of the current line in the file
+        for line_no, raw in lines:  # up to the first non-blank line, which tells the layout
+            if line_no == 1 and raw.startswith(_UTF8_BOM):
+                offset, raw = len(_UTF8_BOM), raw[len(_UTF8_BOM) :]
+            if raw.strip():
+                break
+            offset += len(raw)
+        else:
+            return  # only blank lines: no rows
+        if raw.lstrip().startswith(b"["):
+            yield from _json_array_rows(path, raw + f.read(), line_no, offset)
+            return
+        yield _json_line(raw, line_no, offset)
+        offset += len(raw)
+        for line_no, raw in lines:
+            if raw.strip():
+                yield _json_line(raw, line_no, offset)
+            offset += len(raw)
+
+
+def _json_line(raw: bytes, line_no: int, offset: int) -> Any:
+    """One JSON Lines row from the bytes of line ``line_no`` (starting at byte ``offset``)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} of the file"
+        return _BadLine(line_no, "not valid UTF-8", f"is not valid UTF-8 ({where})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return _BadLine(line_no, "not valid JSON", f"is not valid JSON (column {e.pos + 1}: {e.msg})")
+
+
+def _json_array_rows(path: str, data: bytes, first_line: int, offset: int) -> Iterator[Any]:
+    """The rows of a JSON array (``data``: the file's bytes from line ``first_line``, byte ``offset``)."""
+    bad_utf8 = None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        bad_utf8 = f"byte 0x{data[e.start]:02x} at line {line}, byte offset {offset + e.start} of the file"
+        text = data.decode("utf-8", errors="surrogateescape")  # invalid bytes -> lone surrogates
+        # (rows holding one are found after parsing: their JSON text is not valid Unicode)
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        note = f"; it also holds bytes that are not UTF-8 (first: {bad_utf8})" if bad_utf8 else ""
+        raise SFTDataError(
+            f"{path}: not valid JSON (line {first_line + e.lineno - 1}, column {e.colno}: {e.msg}){note}"
+        ) from None
+    if not isinstance(rows, list):
+        raise SFTDataError(f"{path}: a JSON file starting with '[' must be an array of rows")
+    for row in rows:
+        if bad_utf8 is not None and _not_unicode(json.dumps(row, ensure_ascii=False)):
+            detail = f"holds bytes that are not valid UTF-8 (the file's first: {bad_utf8})"
+            yield _BadLine(None, "not valid UTF-8", detail)
+        else:
+            yield row
 
 
 def _iter_rows(source: str | Path, split: str) -> Iterator[Any]:
-    """Rows through ``datasets``; a local JSON file that ``datasets`` rejects (a line that is not
-    JSON, say) is parsed row by row instead, so the error names the row."""
-    from datasets.exceptions import DatasetGenerationError
+    """Rows of ``source``: local JSON files through ``_json_rows``, the rest through ``datasets``.
 
+    A local file of 0 bytes is an error naming it (``datasets`` gives "generator raised
+    StopIteration" for it)."""
     source = str(source)
-    if _local_format(source) != "json":
-        yield from load_sft_rows(source, split)
-        return
-    try:
-        rows = load_sft_rows(source, split)
-    except (DatasetGenerationError, ValueError) as e:
-        logger.warning("%s: datasets could not read it (%s); parsing it row by row", source, e)
+    fmt = _local_format(source)
+    if fmt is not None and os.path.getsize(source) == 0:
+        raise SFTDataError(f"{source}: the file is empty (0 bytes)")
+    if fmt == "json":
         yield from _json_rows(source)
         return
-    yield from rows
+    if fmt == "parquet":
+        _check_parquet(source)
+    yield from load_sft_rows(source, split)
+
+
+def _check_parquet(path: str) -> None:
+    """Read a local parquet file's footer before ``datasets`` does: it reports a truncated file
+    without naming it, and fails on a file with no rows ("BatchSize must be greater than 0")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise SFTDataError(f"{path}: not a readable parquet file, truncated or corrupt? ({e})") from e
+    if rows == 0:
+        raise SFTDataError(f"{path}: no rows (the parquet file holds none)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +251,19 @@ def _iter_rows(source: str | Path, split: str) -> Iterator[Any]:
 
 def _type_name(x: Any) -> str:
     return "null" if x is None else type(x).__name__
+
+
+def _not_unicode(text: str) -> bool:
+    """True for a string holding a lone surrogate: JSON allows escapes such as "\\ud800", but no
+    tokenizer takes them (a TypeError naming no row)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_LONE_SURROGATE = "is not valid Unicode (a lone surrogate such as \\ud800)"
 
 
 def row_messages(row: Any) -> list[Message]:
@@ -204,6 +294,8 @@ def row_messages(row: Any) -> list[Message]:
                 raise _Malformed(f"message {k} ({role}) has no 'content'")
             if not isinstance(content, str):
                 raise _Malformed(f"message {k} ({role}) content is {_type_name(content)}, expected a string")
+            if _not_unicode(content):
+                raise _Malformed(f"message {k} ({role}) content {_LONE_SURROGATE}")
             if role == "assistant" and not content.strip():
                 raise _Malformed(f"message {k} (assistant) is empty")
             messages.append({"role": role, "content": content})
@@ -220,6 +312,9 @@ def row_messages(row: Any) -> list[Message]:
             raise _Malformed("'response' is empty")
         if system is not None and not isinstance(system, str):
             raise _Malformed(f"'system' is {_type_name(system)}, expected a string")
+        for key, value in (("prompt", prompt), ("response", response), ("system", system or "")):
+            if _not_unicode(value):
+                raise _Malformed(f"'{key}' {_LONE_SURROGATE}")
         messages = [{"role": "system", "content": system}] if system else []
         return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     raise _Malformed(f"row has neither 'messages' nor 'prompt'/'response' (keys: {sorted(row)})")
@@ -401,6 +496,15 @@ def build_sft_dataset(
         if max_rows is not None and index >= max_rows:
             break
         stats.rows += 1
+        if isinstance(row, _BadLine):
+            line = "" if row.line is None else f" (line {row.line})"
+            if not skip_malformed:
+                raise SFTDataError(f"{source}: row {index}{line} {row.detail}")
+            if stats.skipped < _LOGGED_BAD_LINES:
+                logger.warning("%s: skipping row %d%s: it %s", source, index, line, row.detail)
+            stats.skipped += 1
+            reasons[row.kind] += 1
+            continue
         try:
             messages = row_messages(row)
             rendered = [
@@ -417,6 +521,8 @@ def build_sft_dataset(
         if len(pending) >= _TOKENIZE_CHUNK:
             flush()
     flush()
+    if stats.rows == 0 and max_rows != 0:
+        raise SFTDataError(f"{source}: no rows (an empty split, JSON array or file of blank lines)")
 
     dataset = SFTDataset()
     dataset._set(kept_ids, kept_prompt_lens)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mdlmpe_ds.models.config import ModelConfig
@@ -154,9 +154,7 @@ def read_hf_config(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise CheckpointError(f"{file}: no config.json in the checkpoint directory")
-    with open(file) as fh:
-        raw = json.load(fh)
-    return config_from_hf_dict(raw, str(file), **overrides)
+    return config_from_hf_dict(_read_json(file), str(file), **overrides)
 
 
 def hf_config_dict(config: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -221,13 +219,37 @@ def hf_config_dict(config: ModelConfig, extra: Mapping[str, Any] | None = None) 
     return raw
 
 
+def _read_json(file: Path) -> Any:
+    """A parsed JSON file of the checkpoint; a truncated or corrupt one is an error naming it."""
+    try:
+        with open(file, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); is the file truncated?") from err
+
+
 # ----------------------------------------------------------------------------------- weights
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose read errors name the file. A truncated or corrupt shard (an interrupted
+    export or copy) otherwise surfaces as a bare "invalid header length" or "incomplete metadata,
+    file not fully covered" from the Rust reader, which names no file."""
+    try:
+        with safe_open(file, framework="pt") as fh:
+            yield fh
+    except (SafetensorError, OSError) as err:
+        size = file.stat().st_size if file.is_file() else 0
+        raise CheckpointError(
+            f"{file}: cannot read this safetensors file ({size} bytes): {err}; it is probably truncated "
+            "or corrupt (re-export or copy it again)"
+        ) from err
+
+
 def _checkpoint_files(path: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file holding it (index or single file); files must exist."""
     index = path / INDEX_NAME
     if index.is_file():
-        with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map' in the index")
         missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})
@@ -236,7 +258,7 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         return {key: path / name for key, name in weight_map.items()}
     single = path / SINGLE_NAME
     if single.is_file():
-        with safe_open(single, framework="pt") as fh:
+        with _open_safetensors(single) as fh:
             return dict.fromkeys(fh.keys(), single)
     raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
@@ -282,7 +304,7 @@ def check_checkpoint(model: DiffusionLM, path: str | os.PathLike) -> tuple[dict[
         if key in files:
             by_file.setdefault(files[key], []).append(key)
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as fh:
+        with _open_safetensors(file) as fh:
             for key in keys:
                 got = tuple(fh.get_slice(key).get_shape())
                 want = _shape(expected[key][1])
@@ -321,7 +343,7 @@ def load_weights_into(
         model.reset_mdlmpe_parameters(gathered=gather)
     # 2. One tensor at a time, file by file.
     for file in sorted(by_file):
-        with safe_open(file, framework="pt") as fh:
+        with _open_safetensors(file) as fh:
             for key in by_file[file]:
                 param = expected[key][1]
                 with gather([param], modifier_rank=0):

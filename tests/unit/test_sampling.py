@@ -434,6 +434,40 @@ def test_generate_launcher_end_to_end_from_an_exported_dir(tmp_path, llada):
     assert chat.getvalue().startswith("chat:") and chat.getvalue().count("\n") >= 3  # banner + two answers
 
 
+def test_generate_launcher_refuses_prompt_plus_gen_length_over_max_seq_len(tmp_path, llada):
+    """A canvas past max_seq_len exits non-zero with a message giving both numbers (it used to print
+    text generated at untrained positions and exit 0)."""
+    import io
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mdlmpe_ds.models.hf_io import save_pretrained
+
+    save_pretrained(llada, tmp_path, llada.config)
+    tok = _byte_tokenizer(tmp_path)
+    limit = llada.config.max_seq_len
+    prompt_len = len(tok.encode("Hello", add_special_tokens=False))
+    gen = limit - prompt_len + 1
+    launcher = _load_launcher()
+    args = ["--checkpoint", str(tmp_path), "--steps", "1", "--prompt", "Hi", "--prompt", "Hello"]
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exc:
+        launcher.main([*args, "--gen_length", str(gen)], out=out)
+    assert str(exc.value) == (
+        f"prompt 2 has {prompt_len} tokens + --gen_length {gen} = {limit + 1} tokens, more than the model's "
+        f"maximum length {limit} (max_seq_len in its config); shorten the prompt or lower --gen_length"
+    )
+    assert out.getvalue() == ""  # nothing that looks like an answer
+    # As a command: a non-zero exit status and the message on stderr.
+    script = Path(__file__).resolve().parents[2] / "launch" / "generate.py"
+    cmd = [sys.executable, str(script), *args[:-4], "--prompt", "Hello", "--gen_length", str(gen)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert f"the prompt has {prompt_len} tokens + --gen_length {gen}" in proc.stderr
+    assert f"maximum length {limit}" in proc.stderr
+
+
 def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypatch):
     """A run's output_dir resolves to its newest COMPLETE checkpoint and the run's tokenizer; the
     consolidated weights (here: the engine's reader stubbed with the model's own state) load strictly."""

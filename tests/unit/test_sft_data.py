@@ -254,6 +254,12 @@ MALFORMED = [
     ({"messages": [{"content": "hi"}, CONV[1]]}, "message 0 has no 'role'"),
     ({"messages": []}, "'messages' is empty"),
     ({"prompt": "hi", "response": ""}, "'response' is empty"),
+    # Valid JSON ("\\ud800" escapes) but not text: the tokenizer raised a TypeError naming no row.
+    ({"prompt": "a\ud800b", "response": "c"}, r"'prompt' is not valid Unicode \(a lone surrogate"),
+    (
+        {"messages": [{"role": "user", "content": "\udce9"}, CONV[1]]},
+        r"message 0 \(user\) content is not valid",
+    ),
 ]
 
 
@@ -297,6 +303,94 @@ def test_missing_file(tmp_path, llada_tok):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
         build_sft_dataset(missing, llada_tok, "llada", max_len=512)
+
+
+def _bad_lines_file(path):
+    """Rows 0 and 2 good; row 1 (line 2) is not JSON; row 3 (line 5, after a blank line) is not UTF-8."""
+    good = json.dumps({"messages": CONV}).encode() + b"\n"
+    path.write_bytes(good + b'{"messages": [\n' + good + b"\n" + b'{"prompt": "caf\xe9", "response": "ok"}\n')
+    return path
+
+
+def test_skip_malformed_skips_lines_that_are_not_json_or_not_utf8(tmp_path, llada_tok, caplog):
+    src = _bad_lines_file(tmp_path / "lines.jsonl")
+    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft"):
+        ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, skip_malformed=True)
+    assert (stats.rows, stats.skipped, stats.examples, len(ds)) == (4, 2, 2, 2)
+    assert stats.skip_reasons == {"not valid JSON": 1, "not valid UTF-8": 1}
+    assert "2 malformed skipped" in stats.summary()
+    assert "lines.jsonl: skipping row 1 (line 2)" in caplog.text  # the log names every skipped line
+    assert "lines.jsonl: skipping row 3 (line 5)" in caplog.text
+    # Without skip_malformed: the first bad line is an error naming file, row and line.
+    with pytest.raises(SFTDataError, match=r"lines\.jsonl: row 1 \(line 2\) is not valid JSON \(column"):
+        build_sft_dataset(src, llada_tok, "llada", max_len=512)
+
+
+def test_non_utf8_bytes_name_file_line_and_offset(tmp_path, llada_tok):
+    good = json.dumps({"messages": CONV}).encode()
+    lines = tmp_path / "latin1.jsonl"
+    lines.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "response": "ok"}\n')
+    offset = len(good) + 1 + len(b'{"prompt": "caf')
+    with pytest.raises(
+        SFTDataError,
+        match=rf"latin1\.jsonl: row 1 \(line 2\) is not valid UTF-8 \(byte 0xe9 at byte offset {offset}\b",
+    ):
+        build_sft_dataset(lines, llada_tok, "llada", max_len=512)
+    # A JSON array is one document: the row holding the bytes is named (its line is not known).
+    array = tmp_path / "latin1.json"
+    array.write_bytes(b"[" + good + b",\n" + b'{"prompt": "caf\xe9", "response": "ok"}, ' + good + b"]")
+    with pytest.raises(
+        SFTDataError, match=r"latin1\.json: row 1 holds bytes that are not valid UTF-8 .*line 2"
+    ):
+        build_sft_dataset(array, llada_tok, "llada", max_len=512)
+    _, stats = build_sft_dataset(array, llada_tok, "llada", max_len=512, skip_malformed=True)
+    assert (stats.rows, stats.skipped, stats.examples) == (3, 1, 2)
+    assert stats.skip_reasons == {"not valid UTF-8": 1}
+    # An array that is not JSON cannot be cut into rows: an error even with skip_malformed.
+    array.write_bytes(b"[" + good + b",\n{]")
+    with pytest.raises(SFTDataError, match=r"latin1\.json: not valid JSON \(line 2, column 2"):
+        build_sft_dataset(array, llada_tok, "llada", max_len=512, skip_malformed=True)
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.json", "empty.parquet"])
+def test_empty_file_is_named(tmp_path, llada_tok, name):
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(SFTDataError, match=rf"{name}: the file is empty"):
+        build_sft_dataset(tmp_path / name, llada_tok, "llada", max_len=512, skip_malformed=True)
+
+
+@pytest.mark.parametrize(("name", "text"), [("blank.jsonl", "\n \n"), ("none.json", "[]")])
+def test_file_without_rows_is_named(tmp_path, llada_tok, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SFTDataError, match=rf"{name}: no rows"):
+        build_sft_dataset(tmp_path / name, llada_tok, "llada", max_len=512)
+
+
+def test_parquet_truncated_or_without_rows_is_named(tmp_path, llada_tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "none.parquet"
+    pq.write_table(
+        pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), empty
+    )
+    with pytest.raises(SFTDataError, match=r"none\.parquet: no rows"):
+        build_sft_dataset(empty, llada_tok, "llada", max_len=512)
+    cut = tmp_path / "cut.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"] * 8, "response": ["4"] * 8}), cut)
+    cut.write_bytes(cut.read_bytes()[:-20])  # an interrupted copy: the footer is gone
+    with pytest.raises(SFTDataError, match=r"cut\.parquet: not a readable parquet file"):
+        build_sft_dataset(cut, llada_tok, "llada", max_len=512)
+
+
+def test_json_reader_keeps_bom_crlf_and_line_separators(tmp_path, llada_tok):
+    """A UTF-8 BOM, CRLF line ends and U+2028 inside a string (legal in JSON) are one row each."""
+    row = json.dumps({"prompt": "a\u2028b", "response": "c"}, ensure_ascii=False).encode()
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + row + b"\r\n\r\n" + row + b"\r\n")
+    ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512)
+    assert (stats.rows, stats.examples) == (2, 2)
+    assert "a\u2028b" in _decode(llada_tok, ds[0].input_ids)
 
 
 # ---------------------------------------------------------------------------------------------- collation
