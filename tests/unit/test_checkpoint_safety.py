@@ -267,7 +267,8 @@ def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
         run = build_config(None, ["--precision", "fp32", "--micro_batch_size", "1"])
         ds = engine.prepare_ds_config("ds_configs/zero3.json", run, world=1)
         with engine.distributed_session(1.0):
-            model = engine.build_model(lambda: DiffusionLM(preset("llada-tiny", position_encoding="mdlmpe")), ds)
+            config = preset("llada-tiny", position_encoding="mdlmpe")
+            model = engine.build_model(lambda: DiffusionLM(config), ds)
             print(sorted({str(p.dtype) for p in model.parameters()}))
             try:
                 engine.check_param_dtypes(model, torch.bfloat16)
