@@ -117,7 +117,7 @@ def run_job(job, run, args, report) -> int:
     if args.dry_run:
         job(run, args.deepspeed, resume=args.resume, dry_run=True)
         return 0
-    with engine.distributed_session(run.train.dist_timeout_min):
+    with engine.distributed_session(run.train.dist_timeout_min, run.train.setup_timeout_min):
         try:
             summary = job(run, args.deepspeed, resume=args.resume)
         except NonFiniteError as err:
