@@ -159,6 +159,30 @@ def test_sentencepiece_tokenizer_is_cached_by_content(tmp_path, assets):
     assert not list((tmp_path / "tokenizers").glob(".*tmp*"))  # no half-written directories left
 
 
+def test_sentencepiece_copy_finished_by_another_node_is_kept(tmp_path, monkeypatch):
+    """Nodes sharing the cache train the same tokenizer at once (each node's first rank builds):
+    a copy another node renamed into place while this one trained is kept, no error, no leftovers."""
+    import mdlmpe_ds.data.tokenizers as tokenizers
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out_name = []
+
+    def train(files, vocab, out_dir, *args, **kwargs):  # this node's training ...
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True)
+        (out_dir / "tokenizer.json").write_text("this node")
+        other = out_dir.parent / out_dir.name.split(".tmp-")[0].lstrip(".")
+        other.mkdir()  # ... while the other node finishes first
+        (other / "tokenizer.json").write_text("other node")
+        out_name.append(other.name)
+
+    monkeypatch.setattr(tokenizers, "train_sentencepiece", train)
+    out = sentencepiece_for_corpus(str(corpus), 64, cache_root=tmp_path)
+    assert out.name == out_name[0] and (out / "tokenizer.json").read_text() == "other node"
+    assert not list((tmp_path / "tokenizers").glob(".*tmp*"))
+
+
 # ------------------------------------------------------------------------------------ perplexity tables
 def _score(model, corpus, ppl, tokens=100, stderr=0.01):
     nll = math.log(ppl)
