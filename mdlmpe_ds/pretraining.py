@@ -278,8 +278,9 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
     if d.validation is None:
         return None
     packed = load_packed_corpus(
-        d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column
-    )
+        d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
+        cache_dir=Path(t.output_dir) / "data_cache",
+    )  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
     n = min(t.eval_sequences, len(packed))
@@ -312,7 +313,7 @@ def run_pretrain(
     def pack():
         return load_packed_corpus(
             d.dataset, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-            max_documents=d.max_documents,
+            max_documents=d.max_documents, cache_dir=Path(t.output_dir) / "data_cache",
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)
