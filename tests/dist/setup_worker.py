@@ -1,5 +1,6 @@
 """torchrun worker of test_host_collectives.py: ``rank_zero_first`` with a 3 s collective timeout
-and a 2 min setup timeout. Usage: setup_worker.py node|two_nodes DIR (module doc of the test)."""
+and a 2 min setup timeout (3 s in mode ``late``, where rank 0 builds for 8 s and the others must
+fail with a message naming the setting). Usage: setup_worker.py node|two_nodes|late DIR."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     if mode == "two_nodes":
         os.environ["LOCAL_RANK"] = "0"  # each rank the first (only) rank of its own node
-    with eng.distributed_session(timeout_min=0.05, setup_timeout_min=2.0):
+    with eng.distributed_session(timeout_min=0.05, setup_timeout_min=0.05 if mode == "late" else 2.0):
         rank = eng.rank()
 
         def build() -> int:
             (root / f"start-{rank}").touch()
-            if mode == "node":
+            if mode in ("node", "late"):
                 if rank == 0:
                     time.sleep(8.0)  # longer than the 3 s collective timeout
                 else:
