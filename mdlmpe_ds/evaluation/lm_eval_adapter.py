@@ -239,7 +239,7 @@ class MDLMPEEvalLM(LM):
         from mdlmpe_ds import collectives
 
         tensor = tensor if tensor.dim() else tensor[None]
-        return torch.cat(collectives.all_gather(tensor))  # a host tensor over gloo, not NCCL
+        return torch.cat(collectives.all_gather(tensor))  # host tensors over gloo, never NCCL
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         if self._world_size == 1:
