@@ -6,7 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export OMP_NUM_THREADS ?= 1
+# DeepSpeed finds CUDA by itself; only a machine without an NVIDIA GPU is told "cpu" (a GPU node
+# given DS_ACCELERATOR=cpu would train on the CPU). nvidia-smi needs no venv, so this holds on a
+# first `make demo` too. An explicit DS_ACCELERATOR in the environment wins either way.
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+ifneq ($(HAS_NVIDIA_GPU),yes)
 export DS_ACCELERATOR ?= cpu
+endif
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED = 1
 

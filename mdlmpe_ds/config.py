@@ -157,6 +157,9 @@ class TrainConfig:
     precision: str = "auto"
     # Distributed timeout (minutes): a collective reached by one rank only fails instead of hanging.
     dist_timeout_min: float = 10.0
+    # How long (minutes) the other ranks wait while each node's first rank builds the data
+    # (tokenising a large corpus once, into the cache); training collectives keep dist_timeout_min.
+    setup_timeout_min: float = 60.0
     # Pretraining validation: diffusion-ELBO perplexity on the first `eval_sequences` packed sequences
     # of data.validation, `eval_samples` (t, mask) draws each, every `eval_every` updates (0 = only at
     # the end). The draws depend on (seed, sequence index, sample) only: every run sees the same masks.
@@ -255,6 +258,8 @@ class RunConfig:
             raise bad("train.dist_timeout_min", t.dist_timeout_min, "must be > 0")
         if not t.orphan_grace_s > 0:
             raise bad("train.orphan_grace_s", t.orphan_grace_s, "must be > 0")
+        if not t.setup_timeout_min > 0:
+            raise bad("train.setup_timeout_min", t.setup_timeout_min, "must be > 0")
         if d.text_split is not None and d.text_split not in TEXT_SPLITS:
             raise bad("data.text_split", d.text_split, f"must be one of {TEXT_SPLITS} or null")
         if d.max_documents is not None and d.max_documents < 1:

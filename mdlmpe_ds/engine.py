@@ -46,9 +46,14 @@ def on_cpu() -> bool:
 
 # ---------------------------------------------------------------------------- process group
 @contextlib.contextmanager
-def distributed_session(timeout_min: float) -> Iterator[None]:
+def distributed_session(timeout_min: float, setup_timeout_min: float | None = None) -> Iterator[None]:
     """init_distributed with a finite timeout (a collective reached by one rank fails instead of
-    hanging 30 min), and destroy_process_group in a finally (avoids gloo's teardown abort)."""
+    hanging 30 min), and destroy_process_group in a finally (avoids gloo's teardown abort).
+
+    Also the gloo groups of `collectives` (host-tensor collectives; the data-setup barrier, which
+    waits up to ``setup_timeout_min``, default ``timeout_min``)."""
+    from mdlmpe_ds import collectives
+
     deepspeed = _deepspeed()
     backend = "gloo" if on_cpu() else "nccl"
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
@@ -63,9 +68,11 @@ def distributed_session(timeout_min: float) -> Iterator[None]:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    collectives.init(timeout_min, timeout_min if setup_timeout_min is None else setup_timeout_min)
     try:
         yield
     finally:
+        collectives.reset()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -145,7 +145,7 @@ def run_job(job, run, args, report) -> int:
         job(run, args.deepspeed, resume=args.resume, dry_run=True)
         return 0
     lifecycle.install(run.train.orphan_grace_s)
-    with engine.distributed_session(run.train.dist_timeout_min):
+    with engine.distributed_session(run.train.dist_timeout_min, run.train.setup_timeout_min):
         try:
             summary = job(run, args.deepspeed, resume=args.resume)
         except NonFiniteError as err:

@@ -24,6 +24,7 @@ import hashlib
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,8 @@ def sentencepiece_for_corpus(spec: str, vocab: int, cache_root: Path | None = No
     """A SentencePiece BPE tokenizer directory trained on corpus ``spec``, cached by content + size.
 
     Trained into a temporary directory and renamed into place, so an interrupted run never leaves a
-    half-written tokenizer behind.
+    half-written tokenizer behind. Nodes sharing the cache may train it at the same time (each
+    node's first rank builds): the first rename wins and the others keep that copy.
     """
     from mdlmpe_ds.data.assets import default_cache_dir
     from mdlmpe_ds.data.corpora import corpus_text_files
@@ -132,11 +134,17 @@ def sentencepiece_for_corpus(spec: str, vocab: int, cache_root: Path | None = No
     out = root / f"spm-bpe-{vocab}-{_files_digest(files)}"
     if (out / "tokenizer.json").is_file():
         return out
-    tmp = root / f".{out.name}.tmp-{os.getpid()}"
+    tmp = root / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     train_sentencepiece(files, vocab, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if out.exists() and not (out / "tokenizer.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover, never a finished copy
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise
     return out
 
 
@@ -272,8 +280,9 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
     if d.validation is None:
         return None
     packed = load_packed_corpus(
-        d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column
-    )
+        d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
+        cache_dir=Path(t.output_dir) / "data_cache",
+    )  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
     n = min(t.eval_sequences, len(packed))
@@ -306,7 +315,7 @@ def run_pretrain(
     def pack():
         return load_packed_corpus(
             d.dataset, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-            max_documents=d.max_documents,
+            max_documents=d.max_documents, cache_dir=Path(t.output_dir) / "data_cache",
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds import collectives, lifecycle
 from mdlmpe_ds import engine as eng
-from mdlmpe_ds import lifecycle
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
 from mdlmpe_ds.tracking import make_tracker
@@ -78,10 +78,7 @@ class TrainerState:
 
 # ------------------------------------------------------------------------------------ helpers
 def _all_reduce_sum(values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor.tolist()
+    return collectives.all_reduce_sum(values)  # host float64: not on the (NCCL) default group
 
 
 def peak_memory_gb() -> float:
@@ -612,9 +609,8 @@ def assert_same_on_all_ranks(fingerprint: list[float], what: str) -> None:
     """Raise ``what`` (with every rank's values) unless all ranks hold the same fingerprint."""
     if not dist.is_initialized():
         return
-    mine = torch.tensor(fingerprint, dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    mine = torch.tensor(fingerprint, dtype=torch.float64)  # [n], host: a gloo group carries it
+    gathered = collectives.all_gather(mine, setup=True)
     if any(not torch.equal(g, gathered[0]) for g in gathered):
         raise RuntimeError(f"{what} (fingerprints {[g.tolist() for g in gathered]})")
 
@@ -721,13 +717,21 @@ def sft_data_fingerprint(dataset, tokenizer) -> str:
 
 
 def rank_zero_first(build: Callable[[], Any]) -> Any:
-    """``build()`` on rank 0, then on the others: `datasets` writes its Arrow cache (and we our
-    tokenizer cache) on first use, and ranks building it at the same time were seen to disagree."""
-    if eng.rank() == 0:
+    """``build()`` on each node's local rank 0, then on the node's other ranks: `datasets` writes
+    its Arrow cache (and we our tokenizer and data caches) on first use, and ranks building it at
+    the same time were seen to disagree; the others then read what their node's first rank cached.
+
+    Nodes build at the same time (their caches may be one shared folder: the writes are atomic
+    renames). The waits are on the setup group (``train.setup_timeout_min``), before and after the
+    others' build, so no rank waits for data on the short collective timeout.
+    """
+    first = collectives.local_rank() == 0
+    if first:
         out = build()
-    eng.barrier()
-    if eng.rank() != 0:
+    collectives.setup_barrier("data setup on each node's first rank")
+    if not first:
         out = build()
+    collectives.setup_barrier("data setup on the other ranks")
     return out
 
 
@@ -756,6 +760,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             split=run.data.split,
             skip_malformed=run.data.skip_malformed,
             multiturn=run.data.multiturn,
+            cache_dir=Path(t.output_dir) / "data_cache",  # keyed by source, tokenizer and settings
         )
     )
     check_same_data_on_all_ranks(dataset, source)

@@ -20,8 +20,15 @@ usual PTB setup); the works of Shakespeare and the Wikipedia excerpt are read as
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset
 
@@ -106,13 +113,54 @@ def load_packed_corpus(
     text_column: str = "text",
     max_documents: int | None = None,
     separator_id: int | None = None,
+    cache_dir: str | Path | None = None,
 ) -> PackedTokenDataset:
     """Tokenise and pack the corpus ``spec`` (module doc) into ``seq_len`` windows.
 
     ``split`` overrides the document convention of .txt files (``file|paragraph|line``).
+    ``cache_dir``: the token stream is saved there under a key of what it depends on (the files'
+    paths, sizes and mtimes or the hub name, the tokenizer, the options; not ``seq_len``, which only
+    cuts the stream) and loaded instead of tokenised again. Atomic writes: ranks and nodes may share
+    the folder.
     """
     if split is not None and split not in SPLIT_MODES:
         raise ValueError(f"text split {split!r}; expected one of {SPLIT_MODES}")
+    if cache_dir is None:
+        return _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id)
+    sep = tokenizer.eos_token_id if separator_id is None else separator_id
+    options = {"split": split, "text_column": text_column, "max_documents": max_documents, "separator": sep}
+    path = Path(cache_dir) / f"packed-{_cache_key(spec, tokenizer, options)}.npz"
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            return PackedTokenDataset(z["stream"], z["doc_ends"], seq_len, int(z["separator_id"]))
+    packed = _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, stream=packed.stream, doc_ends=packed.doc_ends, separator_id=packed.separator_id)
+    os.replace(tmp, path)
+    return packed
+
+
+def _cache_key(spec: str, tokenizer, options: dict[str, Any]) -> str:
+    """sha256 over the corpus's identity, the tokenizer's vocabulary (with merges) and ``options``.
+    A hub corpus is identified by its name only (clear the cache to pick up a new revision)."""
+    files = [named_corpus_file(spec)] if spec in NAMED_CORPORA else _text_files(spec)
+    if files is None and Path(spec).suffix in TABULAR_SUFFIXES and Path(spec).is_file():
+        files = [Path(spec)]
+    if files is None:
+        source: Any = {"hub": spec}
+    else:
+        source = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    h = hashlib.sha256(json.dumps({"source": source, "options": options}, sort_keys=True).encode())
+    h.update(vocab.encode())
+    return h.hexdigest()[:24]
+
+
+def _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id) -> PackedTokenDataset:
+    """``load_packed_corpus`` without the cache: find the corpus and tokenise it."""
     if spec in NAMED_CORPORA:
         mode = split or NAMED_CORPORA[spec].documents
         return PackedTokenDataset.from_text_files(

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import socket
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -565,9 +566,10 @@ def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any]) -> 
 
 
 def _save_cache(path: Path, dataset: SFTDataset, stats: SFTDataStats) -> None:
-    """Atomic write (temporary file, then rename) so concurrent ranks never read a partial file."""
+    """Atomic write (temporary file, then rename) so concurrent ranks never read a partial file.
+    The temporary name carries host and pid: nodes sharing the folder never write the same file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
     with open(tmp, "wb") as f:
         np.savez(
             f,

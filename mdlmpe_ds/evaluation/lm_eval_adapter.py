@@ -236,12 +236,10 @@ class MDLMPEEvalLM(LM):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._world_size == 1:
             return tensor
-        import torch.distributed as dist
+        from mdlmpe_ds import collectives
 
         tensor = tensor if tensor.dim() else tensor[None]
-        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
-        dist.all_gather(parts, tensor)
-        return torch.cat(parts)
+        return torch.cat(collectives.all_gather(tensor))  # host tensors over gloo, never NCCL
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         if self._world_size == 1:

@@ -61,6 +61,39 @@ def test_local_text_corpora_and_errors(tmp_path):
         load_packed_corpus(str(a), tok, 4, split="sentence")
 
 
+def test_packed_corpus_cache_keyed_by_source_tokenizer_and_options(tmp_path, monkeypatch):
+    """A restart (or a node's other ranks) loads the token stream instead of tokenising again; the
+    window length only cuts the stream, so it shares the entry; other options or files do not."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.data.pretrain import PackedTokenDataset
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    from sft_fixtures import make_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path / "tok"))
+    corpus, cache = tmp_path / "c.txt", tmp_path / "cache"
+    corpus.write_text("what is the color of the sky\n\nit is blue\n\nhow many legs does a cat have\n")
+    first = load_packed_corpus(str(corpus), tok, 4, split="paragraph", cache_dir=cache)
+    assert len(list(cache.glob("packed-*.npz"))) == 1 and first.doc_ends.size == 3
+
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("a cache hit tokenised the corpus again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PackedTokenDataset, "from_texts", no_tokenising)
+        again = load_packed_corpus(str(corpus), tok, 3, split="paragraph", cache_dir=cache)
+    assert again.stream.tolist() == first.stream.tolist() and again.seq_len == 3
+    assert again.doc_ends.tolist() == first.doc_ends.tolist() and again.separator_id == first.separator_id
+    assert load_packed_corpus(str(corpus), tok, 4, split="line", cache_dir=cache).doc_ends.size == 3
+    assert len(list(cache.glob("packed-*.npz"))) == 2  # another document convention: another entry
+    corpus.write_text("it is blue\n")
+    assert load_packed_corpus(str(corpus), tok, 4, split="paragraph", cache_dir=cache).doc_ends.size == 1
+    assert len(list(cache.glob("packed-*.npz"))) == 3 and not list(cache.glob("*.tmp.*"))
+
+
 def test_jsonl_corpus_reads_the_text_column(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"body": t}) for t in ("a b c", "d e", "f g h i")) + "\n")
@@ -157,6 +190,30 @@ def test_sentencepiece_tokenizer_is_cached_by_content(tmp_path, assets):
     copy.write_text(corpus.read_text()[:50000] + "\nsomething new\n")
     assert sentencepiece_for_corpus(str(copy), 400, cache_root=tmp_path) != first
     assert not list((tmp_path / "tokenizers").glob(".*tmp*"))  # no half-written directories left
+
+
+def test_sentencepiece_copy_finished_by_another_node_is_kept(tmp_path, monkeypatch):
+    """Nodes sharing the cache train the same tokenizer at once (each node's first rank builds):
+    a copy another node renamed into place while this one trained is kept, no error, no leftovers."""
+    import mdlmpe_ds.data.tokenizers as tokenizers
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out_name = []
+
+    def train(files, vocab, out_dir, *args, **kwargs):  # this node's training ...
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True)
+        (out_dir / "tokenizer.json").write_text("this node")
+        other = out_dir.parent / out_dir.name.split(".tmp-")[0].lstrip(".")
+        other.mkdir()  # ... while the other node finishes first
+        (other / "tokenizer.json").write_text("other node")
+        out_name.append(other.name)
+
+    monkeypatch.setattr(tokenizers, "train_sentencepiece", train)
+    out = sentencepiece_for_corpus(str(corpus), 64, cache_root=tmp_path)
+    assert out.name == out_name[0] and (out / "tokenizer.json").read_text() == "other node"
+    assert not list((tmp_path / "tokenizers").glob(".*tmp*"))
 
 
 # ------------------------------------------------------------------------------------ perplexity tables

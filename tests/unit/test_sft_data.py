@@ -718,3 +718,22 @@ def test_cache_roundtrip_and_invalidation(tmp_path, llada_tok, caplog):
     _write_jsonl(src, [{"messages": CONV}, {"messages": CONV}])  # the source changed: rebuilt
     rebuilt, _ = build_sft_dataset(src, llada_tok, "llada", **kw)
     assert rebuilt[1] == rebuilt[0] and len(list(cache.glob("sft-*.npz"))) == 3
+
+
+def test_cache_writers_on_two_nodes_never_share_a_temporary_file(tmp_path, llada_tok, monkeypatch):
+    """Each node's first rank may write the same entry into a shared cache folder at once, and two
+    nodes can run the same pid: the temporary file (renamed into place) is named by host and pid."""
+    import os
+
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}])
+    cache = tmp_path / "cache"
+    written, replace = [], os.replace
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    monkeypatch.setattr(os, "replace", lambda a, b: (written.append(a), replace(a, b)))
+    for host in ("node-a", "node-b"):
+        monkeypatch.setattr("socket.gethostname", lambda host=host: host)
+        for old in cache.glob("sft-*.npz"):
+            old.unlink()
+        build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(written) == 2 and written[0] != written[1]
+    assert len(list(cache.glob("sft-*.npz"))) == 1 and not list(cache.glob("*.tmp.*"))

@@ -152,6 +152,26 @@ def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
         build_config(None, ["--pad_to_multiple_of", "16", "--perbatch_cutoff", "random_with_input_pad"])
 
 
+def test_sft_data_cached_under_the_output_dir(fixture_data, tmp_path, caplog):
+    """run_sft tokenises into <output_dir>/data_cache: a restart or resume loads it instead."""
+    import logging
+
+    tok, chat = fixture_data
+    args = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
+    _dry(args, tmp_path)
+    assert len(list((tmp_path / "out" / "data_cache").glob("sft-*.npz"))) == 1
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft"):
+        _dry(args, tmp_path)
+    assert "loaded from cache" in caplog.text
+
+
+def test_setup_timeout_is_its_own_setting():
+    assert build_config(None, []).train.setup_timeout_min == 60.0
+    assert build_config(None, ["--setup_timeout_min", "5"]).train.setup_timeout_min == 5.0
+    with pytest.raises(ValueError, match=r"train\.setup_timeout_min=0"):
+        build_config(None, ["--setup_timeout_min", "0"])
+
+
 def test_missing_dataset_file(fixture_data, tmp_path):
     tok, _ = fixture_data
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
