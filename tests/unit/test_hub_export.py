@@ -1,0 +1,132 @@
+"""Exports that plain transformers loads (issue 17 "Names out"): AutoModel with trust_remote_code
+gives the logits of our loader, for both families, RoPE and MDLMPE, padded batches included; the
+exported tokenizer renders conversations exactly as SFT did."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
+
+from mdlmpe_ds.data.chat_templates import render_chatml, render_llada, template_for
+from mdlmpe_ds.hub.export import finish_export
+from mdlmpe_ds.hub.templates import CHATML_JINJA, LLADA_JINJA
+from mdlmpe_ds.models import DiffusionLM, load_pretrained, preset, save_pretrained
+from mdlmpe_ds.models.hf_io import hf_config_dict
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief. "},
+    {"role": "user", "content": "  What is 2 + 2?\n"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+def _trained_looking(family, encoding, **kw):
+    torch.manual_seed(0)
+    config = preset(f"{family}-tiny", position_encoding=encoding, **kw)
+    model = DiffusionLM(config).eval()
+    with torch.no_grad():  # non-zero phase output, non-unit norms, a gate away from its init
+        for name, param in model.named_parameters():
+            if "phase.fc2" in name or name.endswith("norm.weight") or "gate_logit" in name:
+                param.normal_(std=0.5)
+    return model
+
+
+def _batch(config):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (3, 20), generator=gen)
+    ids[:, 4:9] = config.mask_token_id  # a masked span: MDLMPE's features vary along the row
+    ids[2, 12:] = config.mask_token_id
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, 14:] = False  # right padding
+    valid[2, :5] = False  # left padding
+    return ids, valid
+
+
+@pytest.mark.parametrize(
+    ("family", "encoding", "tied"),
+    [
+        ("llada", "rope", False),
+        ("llada", "mdlmpe", False),
+        ("dream", "rope", False),
+        ("dream", "mdlmpe", True),
+    ],
+)
+def test_export_loads_in_transformers_with_our_logits(tmp_path, qwen_tokenizer_dir, family, encoding, tied):
+    model = _trained_looking(family, encoding, tie_embeddings=tied)
+    save_pretrained(model, tmp_path, model.config)
+    finish_export(tmp_path, family, qwen_tokenizer_dir)
+    ours = load_pretrained(tmp_path).eval()
+    theirs, info = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    theirs.eval()
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids, valid = _batch(model.config)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # left-padded rows start at position 0
+    with torch.no_grad():
+        for mask, pos in ((None, None), (valid, None), (valid, positions)):
+            want = ours(ids, mask, positions=pos)
+            got = theirs(ids, attention_mask=None if mask is None else mask.long(), position_ids=pos).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if family == "dream":  # raw logits stay available, next-token aligned as upstream
+            raw = theirs(ids, raw_logits=True).logits
+            torch.testing.assert_close(raw[:, :-1], ours(ids)[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_masked_lm_auto_class_and_upstream_keys(tmp_path, qwen_tokenizer_dir):
+    model = _trained_looking("llada", "rope")
+    save_pretrained(model, tmp_path, model.config)
+    finish_export(tmp_path, "llada", qwen_tokenizer_dir)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    # A RoPE-only export keeps every upstream key with its value (the official code reads them).
+    upstream = hf_config_dict(model.config)
+    assert {k: raw[k] for k in upstream} == upstream
+    assert raw["auto_map"]["AutoModel"].startswith("modeling_mdlmpe.")
+    assert (tmp_path / "modeling_mdlmpe.py").is_file()
+    masked_lm = AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    ids, _ = _batch(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(masked_lm(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+# An upstream-style template that differs from training's renderer (like LLaDA-8B-Instruct's, it
+# appends an assistant header even when add_generation_prompt is False).
+UPSTREAM_STYLE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_exported_chat_template_renders_as_training(tmp_path, qwen_tokenizer_dir, family):
+    upstream = tmp_path / "upstream_tokenizer"
+    shutil.copytree(qwen_tokenizer_dir, upstream)
+    (upstream / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((upstream / "tokenizer_config.json").read_text())
+    (upstream / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": UPSTREAM_STYLE}))
+    model = _trained_looking(family, "rope")
+    out = tmp_path / "export"
+    save_pretrained(model, out, model.config)
+    done = finish_export(out, family, upstream)
+    source = AutoTokenizer.from_pretrained(upstream)
+    exported = AutoTokenizer.from_pretrained(out)
+    training = template_for(family, source)
+    assert done["chat_template"] == training.name
+    for prompt in (False, True):
+        messages = CONVERSATION if prompt else CONVERSATION[:3]
+        want = training.render(messages, prompt)
+        got = exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        assert got == want
+
+
+@pytest.mark.parametrize(("jinja", "render"), [(LLADA_JINJA, render_llada), (CHATML_JINJA, render_chatml)])
+def test_jinja_templates_equal_the_training_renderers(qwen_tokenizer_dir, jinja, render):
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    tokenizer.chat_template = jinja
+    for messages in (CONVERSATION, CONVERSATION[1:3], CONVERSATION[:3]):
+        for prompt in (False, True):
+            got = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            assert got == render(messages, prompt)
