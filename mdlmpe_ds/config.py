@@ -33,8 +33,11 @@ class ModelChoice:
     """Which backbone: a preset name (from-scratch/tiny) or a local Hugging Face directory."""
 
     preset: str = "llada-tiny"
-    # A local LLaDA-8B / Dream-7B directory (config.json + safetensors); overrides `preset`.
+    # A local LLaDA-8B / Dream-7B directory (config.json + safetensors) or a hub id such as
+    # GSAI-ML/LLaDA-8B-Instruct (snapshot_download; HF_HUB_OFFLINE honoured); overrides `preset`.
     model_name_or_path: str | None = None
+    # Hub revision (branch, tag or commit) of a hub-id model_name_or_path / tokenizer.
+    revision: str | None = None
     position_encoding: str = "mdlmpe"
     # Vocabulary and special ids of a preset model; None derives them from the tokenizer (vocab
     # rounded up to a multiple of 64; mask = the tokenizer's mask token or <|mask|>; eos; pad = eos).
@@ -57,6 +60,9 @@ class DataConfig:
 
     # "chat-demo" = the chatterbot-corpus dialogues prepared offline (data/assets.py).
     dataset: str = "chat-demo"
+    # A hub dataset's config name (HuggingFaceTB/smoltalk needs "all"); `dataset` may also say
+    # "name:config". `--dataset_split` is another spelling of `split`.
+    dataset_config: str | None = None
     split: str = "train"
     # Tokenizer directory; None = the model directory, or the offline Qwen2.5 tokenizer for presets.
     tokenizer: str | None = None
@@ -182,7 +188,10 @@ class RunConfig:
         if m.position_encoding not in POSITION_ENCODINGS:
             raise bad("model.position_encoding", m.position_encoding, f"must be one of {POSITION_ENCODINGS}")
         if m.model_name_or_path is not None and not Path(m.model_name_or_path).is_dir():
-            raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory")
+            from mdlmpe_ds.hub.resolve import looks_like_hub_id
+
+            if not looks_like_hub_id(m.model_name_or_path):
+                raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
         if not isinstance(m.mdlmpe, dict):
             raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
         if d.max_len < 8:
@@ -295,6 +304,7 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "optim", "train")
+KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 
 def flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
@@ -321,7 +331,7 @@ def _section_type(section: str) -> type:
 
 def resolve_key(key: str, source: str) -> tuple[str, str]:
     """'optim.lr' or 'lr' -> ('optim', 'lr'); unknown or ambiguous keys raise listing valid keys."""
-    key = key.replace("-", "_")
+    key = KEY_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
     if "." in key:
         section, name = key.split(".", 1)
         if section in SECTIONS and name in {f.name for f in fields(_section_type(section))}:

@@ -294,8 +294,10 @@ def run_pretrain(
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
+    from mdlmpe_ds.hub.resolve import resolve_run_names
 
     world, rank = eng.world_size(), eng.rank()
+    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
     d, t = run.data, run.train
     tok_dir = rank_zero_first(lambda: resolve_tokenizer_dir(run))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))

@@ -738,9 +738,11 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
 
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.data.sft import SFTCollator, build_sft_dataset, eos_pad_id
+    from mdlmpe_ds.hub.resolve import resolve_run_names
 
     world, rank = eng.world_size(), eng.rank()
     t = run.train
+    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
     tok_dir, source = resolve_sources(run)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model_config = model_config_for(run, tokenizer)

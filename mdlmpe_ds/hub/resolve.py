@@ -27,7 +27,8 @@ MODEL_PATTERNS = [
 ]
 TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# org/name, optionally @revision (a branch, tag or commit) for the tools without a --revision flag.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?$")
 
 
 class HubResolveError(ValueError):
@@ -35,7 +36,7 @@ class HubResolveError(ValueError):
 
 
 def looks_like_hub_id(name: str) -> bool:
-    """``org/name`` that is not an existing local path (``./x``, ``/abs`` and ``a/b/c`` are paths)."""
+    """``org/name[@rev]`` that is not an existing local path (``./x``, ``/abs``, ``a/b/c`` are paths)."""
     return bool(_REPO_ID.match(name)) and not Path(name).exists() and ".." not in name
 
 
@@ -87,6 +88,11 @@ def resolve(name: str, revision: str | None = None, what: str = "model", tokeniz
         raise HubResolveError(
             f"{what} {name!r}: no such local file or directory, and not a hub id of the form 'org/name'"
         )
+    if "@" in name:
+        name, at = name.split("@", 1)
+        if revision and revision != at:
+            raise HubResolveError(f"{what} {name!r}: revision {at!r} in the name but {revision!r} given")
+        revision = at
     patterns = TOKENIZER_PATTERNS if tokenizer else MODEL_PATTERNS
     import torch.distributed as dist
 
@@ -106,3 +112,28 @@ def resolve_model(name: str, revision: str | None = None) -> Path:
 
 def resolve_tokenizer(name: str, revision: str | None = None) -> Path:
     return resolve(name, revision, "tokenizer", tokenizer=True)
+
+
+def split_dataset_name(source: str, config: str | None = None) -> tuple[str, str | None]:
+    """'HuggingFaceTB/smoltalk:all' -> ('HuggingFaceTB/smoltalk', 'all'); an explicit ``config`` wins
+    over none in the name, and two different ones are an error. Local paths are left whole."""
+    name, named = source, None
+    if ":" in source and not Path(source).exists():
+        name, named = source.rsplit(":", 1)
+    if config and named and config != named:
+        raise ValueError(f"dataset {source!r} names config {named!r} but dataset_config is {config!r}")
+    return name, config or named or None
+
+
+def resolve_run_names(run) -> None:
+    """Rewrite a run config's hub ids to local snapshot directories, in place (model, tokenizer,
+    with ``model.revision``), and fold ``data.dataset_config`` into ``data.dataset`` as
+    ``name:config`` (the form the data loaders read)."""
+    m, d = run.model, run.data
+    if m.model_name_or_path is not None and not Path(m.model_name_or_path).exists():
+        m.model_name_or_path = str(resolve_model(m.model_name_or_path, m.revision))
+    if d.tokenizer is not None and not Path(d.tokenizer).exists():
+        d.tokenizer = str(resolve_tokenizer(d.tokenizer, m.revision))
+    if d.dataset_config:
+        name, config = split_dataset_name(d.dataset, d.dataset_config)
+        d.dataset, d.dataset_config = f"{name}:{config}", None
