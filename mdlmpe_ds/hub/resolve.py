@@ -130,10 +130,14 @@ def resolve_run_names(run) -> None:
     with ``model.revision``), and fold ``data.dataset_config`` into ``data.dataset`` as
     ``name:config`` (the form the data loaders read)."""
     m, d = run.model, run.data
+    original_model = m.model_name_or_path
     if m.model_name_or_path is not None and not Path(m.model_name_or_path).exists():
         m.model_name_or_path = str(resolve_model(m.model_name_or_path, m.revision))
     if d.tokenizer is not None and not Path(d.tokenizer).exists():
-        d.tokenizer = str(resolve_tokenizer(d.tokenizer, m.revision))
+        model_id = original_model.split("@", 1)[0] if original_model else None
+        same_repo = model_id is not None and d.tokenizer.split("@", 1)[0] == model_id
+        # model.revision pins the tokenizer too when it comes from the model's own repo
+        d.tokenizer = str(resolve_tokenizer(d.tokenizer, m.revision if same_repo else None))
     if d.dataset_config:
         name, config = split_dataset_name(d.dataset, d.dataset_config)
         d.dataset, d.dataset_config = f"{name}:{config}", None
