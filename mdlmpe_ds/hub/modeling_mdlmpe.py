@@ -547,6 +547,42 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
         return MaskedLMOutput(logits=logits)
 
+    @torch.no_grad()
+    def fill_masks(self, input_ids: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """Fill every mask token of ``input_ids`` [B, L] in ``steps`` rounds (default: one per mask):
+        each round predicts all masks and keeps the most confident ones, as LLaDA's low-confidence
+        remasking does; the availability features see the revealed tokens of every round."""
+        mask_id = self.settings["mask_token_id"]
+        ids = input_ids.clone()
+        remaining = int((ids == mask_id).sum(-1).max())
+        steps = remaining if steps is None else max(1, min(steps, remaining))
+        for step in range(steps):
+            masked = ids == mask_id  # [B, L]
+            if not bool(masked.any()):
+                break
+            probs = torch.softmax(self(ids).logits.float(), dim=-1)
+            confidence, guess = probs.max(-1)  # [B, L]
+            confidence = confidence.masked_fill(~masked, -1.0)
+            for row in range(ids.shape[0]):
+                left = int(masked[row].sum())
+                take = math.ceil(left / (steps - step)) if left else 0
+                if take:
+                    chosen = confidence[row].topk(take).indices
+                    ids[row, chosen] = guess[row, chosen]
+        return ids
+
+    def chat(self, tokenizer: Any, message: str, answer_length: int = 64, steps: int | None = None) -> str:
+        """Answer one user ``message``: the chat template (with the generation prompt), then
+        ``answer_length`` mask tokens filled by :meth:`fill_masks`; the decoded answer."""
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        device = next(self.parameters()).device
+        masks = torch.full((1, answer_length), self.settings["mask_token_id"], dtype=ids.dtype)
+        out = self.fill_masks(torch.cat([ids, masks], dim=1).to(device), steps)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
 
 class MDLMPELLaDAModel(MDLMPEForMaskedDiffusion):
     config_class = MDLMPELLaDAConfig

@@ -130,3 +130,35 @@ def test_jinja_templates_equal_the_training_renderers(qwen_tokenizer_dir, jinja,
         for prompt in (False, True):
             got = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
             assert got == render(messages, prompt)
+
+
+def test_readme_snippet_answers_from_an_export(tmp_path):
+    """The README's three-line transformers snippet, run on a tiny MDLMPE export (fixture tokenizer
+    with ChatML tokens): it loads, renders the training template and fills every mask."""
+    import re
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "tests" / "dist"))
+    from sft_fixtures import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    model = _trained_looking(
+        "dream", "mdlmpe", vocab_size=128, mask_token_id=3, eos_token_id=0, pad_token_id=0
+    )
+    export = tmp_path / "export"
+    save_pretrained(model, export, model.config)
+    finish_export(export, "dream", tok)
+    readme = (repo / "README.md").read_text()
+    snippet = re.search(r"```python\n(from transformers import AutoModel.*?)```", readme, re.S).group(1)
+    assert len(snippet.strip().splitlines()) == 3
+    printed = []
+    namespace = {"print": printed.append}
+    exec(snippet.replace("outputs/llada-sft/export", str(export)), namespace)
+    answer = printed[0]
+    assert isinstance(answer, str) and "<|mask|>" not in answer
+    loaded = namespace["model"]
+    ids = torch.tensor([[5, 6, 3, 3, 7, 3]])
+    filled = loaded.fill_masks(ids, steps=2)
+    assert not bool((filled == 3).any()) and torch.equal(filled[ids != 3], ids[ids != 3])
