@@ -55,11 +55,20 @@ def finish_export(out: str | Path, family: str, tokenizer_dir: str | Path | None
     return {"tokenizer_files": copied, "chat_template": template}
 
 
-def push_to_hub(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None) -> str:
-    """Upload the export directory through ``huggingface_hub`` (token from the standard places)."""
+def push_to_hub(
+    out: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Upload the export directory through ``huggingface_hub``; the repo is created if missing.
+    Token and endpoint come from the standard places (HF_TOKEN, ``hf auth login``, HF_ENDPOINT)."""
     from huggingface_hub import HfApi
 
-    api = HfApi()
+    api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     commit = api.upload_folder(folder_path=str(out), repo_id=repo_id, revision=revision)
     return str(getattr(commit, "commit_url", commit))

@@ -162,3 +162,74 @@ def test_readme_snippet_answers_from_an_export(tmp_path):
     ids = torch.tensor([[5, 6, 3, 3, 7, 3]])
     filled = loaded.fill_masks(ids, steps=2)
     assert not bool((filled == 3).any()) and torch.equal(filled[ids != 3], ids[ids != 3])
+
+
+def test_push_to_hub_uploads_the_export_to_a_local_mock_of_the_upload_api(
+    tmp_path, qwen_tokenizer_dir, monkeypatch
+):
+    """--push_to_hub against a local HTTP server speaking the three calls an upload makes (create
+    repo, preupload, commit); every export file arrives byte for byte."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mdlmpe_ds.hub.export import push_to_hub
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # the mock is local even behind a proxy
+    received: dict[str, bytes] = {}
+    calls: list[str] = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            path = self.path.split("?")[0]
+            calls.append(path)
+            base = f"http://127.0.0.1:{self.server.server_port}"
+            if path == "/api/repos/create":
+                self._reply(
+                    {"url": f"{base}/{json.loads(payload)['organization']}/{json.loads(payload)['name']}"}
+                )
+            elif "/preupload/" in path:
+                files = json.loads(payload)["files"]
+                self._reply(
+                    {
+                        "files": [
+                            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                        ]
+                    }
+                )
+            elif "/commit/" in path:
+                for line in payload.splitlines():
+                    item = json.loads(line)
+                    if item["key"] == "file":
+                        received[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                self._reply({"commitUrl": f"{base}/org/tiny/commit/{'a' * 40}", "commitOid": "a" * 40})
+            else:
+                self.send_error(404)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        model = _trained_looking("llada", "mdlmpe")
+        out = tmp_path / "export"
+        save_pretrained(model, out, model.config)
+        finish_export(out, "llada", qwen_tokenizer_dir)
+        url = push_to_hub(out, "org/tiny", endpoint=f"http://127.0.0.1:{server.server_port}", token="hf_test")
+    finally:
+        server.shutdown()
+    assert calls[0] == "/api/repos/create" and calls[-1].startswith("/api/models/org/tiny/commit/")
+    assert url.endswith("/commit/" + "a" * 40)
+    local = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert received == local
+    assert "modeling_mdlmpe.py" in received and "model.safetensors" in received
