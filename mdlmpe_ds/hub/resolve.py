@@ -98,11 +98,17 @@ def resolve(name: str, revision: str | None = None, what: str = "model", tokeniz
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Rank 0 downloads; the others wait, then only read the cache (no concurrent downloads).
-        out = _download(name, revision, patterns, False, what) if dist.get_rank() == 0 else None
-        dist.barrier()
-        if out is None:
-            out = _download(name, revision, patterns, True, what)
-        return out
+        # Rank 0's failure is sent to every rank, so none waits for a download that never comes.
+        status: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                _download(name, revision, patterns, False, what)
+            except Exception as err:  # every rank raises it below
+                status[0] = f"{type(err).__name__}: {err}"
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise HubResolveError(f"{what} {name!r}: rank 0 could not fetch it: {status[0]}")
+        return _download(name, revision, patterns, True, what)
     return _download(name, revision, patterns, False, what)
 
 
