@@ -7,13 +7,15 @@ the other works of Shakespeare), and writes mean ± std over seeds as a table an
 
     python launch/compare_pe.py                  # tiny preset on CPU: 4 encodings x 3 seeds, < 30 min
     python launch/compare_pe.py --encodings rope mdlmpe mdlmpe-binary --seeds 0 1 --max_steps 500
-    python launch/compare_pe.py --preset llada-100m --dataset Skylion007/openwebtext \\
-        --tokenizer /models/LLaDA-8B-Base --max_steps 200000 --out outputs/compare-100m   # GPU node
+    python launch/compare_pe.py --preset llada-100m --out outputs/compare-100m   # GPU node: App. B.3 recipe
+    python launch/compare_pe.py --preset llada-100m --dry-run   # each run's plan (200K steps), trains nothing
 
 Writes <out>/compare.md, compare.json, compare.png and one run directory per (encoding, seed)
 under <out>/runs (checkpoints, TensorBoard, train.log, eval.json). Running the same command again
 reuses finished runs and evaluations and resumes an interrupted run from its last checkpoint.
 Flags this script does not know are passed to every launch/pretrain.py run (training-config keys).
+The tiny default trains 300 updates (saving every 150) unless the user or a recipe sets those keys;
+each such default is printed when it is applied.
 """
 
 from __future__ import annotations
@@ -89,7 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.evaluation.perplexity import EvalSettings
 
     # No prefix matching: --seed (a training key, forwarded) must not be read as --seeds.
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    epilog = None
+    if {"-h", "--help"} & set(argv if argv is not None else sys.argv[1:]):
+        from mdlmpe_ds.config import help_text
+        from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS
+
+        epilog = "every run also takes launch/pretrain.py's keys:\n" + help_text(
+            PRETRAIN_DEFAULTS, recipes=["llada-100m", "dream-100m"]
+        )
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--encodings", nargs="+", default=list(compare.MAIN_ENCODINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", default="outputs/compare-pe")

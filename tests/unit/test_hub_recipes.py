@@ -103,7 +103,7 @@ def test_sft_launcher_prints_the_recipe_and_flags_win(tmp_path, capsys):
     assert "data.max_len = 48" in out and "(overridden: recipe says 2048)" in out
 
 
-@pytest.mark.parametrize("launcher", ["sft", "pretrain"])
+@pytest.mark.parametrize("launcher", ["sft", "pretrain", "compare_pe"])
 def test_help_lists_every_config_key(launcher, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _launcher(launcher).main(["--help"])
