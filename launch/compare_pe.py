@@ -7,13 +7,15 @@ the other works of Shakespeare), and writes mean ± std over seeds as a table an
 
     python launch/compare_pe.py                  # tiny preset on CPU: 4 encodings x 3 seeds, < 30 min
     python launch/compare_pe.py --encodings rope mdlmpe mdlmpe-binary --seeds 0 1 --max_steps 500
-    python launch/compare_pe.py --preset llada-100m --dataset Skylion007/openwebtext \\
-        --tokenizer /models/LLaDA-8B-Base --max_steps 200000 --out outputs/compare-100m   # GPU node
+    python launch/compare_pe.py --preset llada-100m --out outputs/compare-100m   # GPU node: App. B.3 recipe
+    python launch/compare_pe.py --preset llada-100m --dry-run   # each run's plan (200K steps), trains nothing
 
 Writes <out>/compare.md, compare.json, compare.png and one run directory per (encoding, seed)
 under <out>/runs (checkpoints, TensorBoard, train.log, eval.json). Running the same command again
 reuses finished runs and evaluations and resumes an interrupted run from its last checkpoint.
 Flags this script does not know are passed to every launch/pretrain.py run (training-config keys).
+The tiny default trains 300 updates (saving every 150) unless the user or a recipe sets those keys;
+each such default is printed when it is applied.
 """
 
 from __future__ import annotations
@@ -24,8 +26,62 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The tiny CPU comparison: launch/pretrain.py's demo defaults, trained longer.
-COMPARE_DEFAULTS = ["--max_steps", "300", "--save_every", "150"]
+# The tiny CPU comparison: launch/pretrain.py's demo defaults, trained longer. Applied only to keys
+# that neither the user (flags, --config) nor a recipe (--recipe, or --preset llada-100m|dream-100m)
+# sets, and each one is printed.
+COMPARE_DEFAULTS = {"train.max_steps": 300, "train.save_every": 150}
+
+
+def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
+    """(flags compare adds to every run, one line naming each). Never a key the user or a recipe set."""
+    from mdlmpe_ds import config, recipes
+    from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS, pretrain_recipe
+
+    recipe, rest = recipes.pop_recipe(forwarded)
+    file = None
+    if "--config" in rest:
+        file = rest[rest.index("--config") + 1]
+        rest = [t for i, t in enumerate(rest) if t != "--config" and (i == 0 or rest[i - 1] != "--config")]
+    given = {".".join(config.resolve_key(k, "command line")) for k in config.parse_overrides(rest)}
+    if file is not None:
+        given |= {".".join(config.resolve_key(k, file)) for k in config.load_config_file(file)}
+    preset = next((rest[i + 1] for i, t in enumerate(rest[:-1]) if t in ("--preset", "--model.preset")), None)
+    applied = pretrain_recipe(preset, recipe)
+    if applied is not None:
+        given |= set(recipes.get(applied).values)
+    flags, notes = [], []
+    for key, value in COMPARE_DEFAULTS.items():
+        if key in given:
+            continue
+        name = key.split(".", 1)[1]
+        flags += [f"--{name}", str(value)]
+        notes.append(
+            f"[compare] sets --{name} {value} for every run (launch/pretrain.py's default is "
+            f"{PRETRAIN_DEFAULTS.get(key)}); pass --{name} to choose another value"
+        )
+    return flags, notes
+
+
+def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds_config: str):
+    """The RunConfig launch/pretrain.py would build for one matched run (for --dry-run)."""
+    from mdlmpe_ds import compare, launching, recipes
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.pretraining import pretrain_defaults
+
+    cmd = compare.pretrain_command(
+        [], encoding, seed, compare.run_dir(out, encoding, seed), ds_config, forwarded
+    )
+    tokens = cmd[3:-2]  # drop "pretrain.py --deepspeed DS" and "--resume auto"
+    recipe, tokens = recipes.pop_recipe(tokens)
+    file = None
+    if "--config" in tokens:
+        i = tokens.index("--config")
+        file, tokens = tokens[i + 1], tokens[:i] + tokens[i + 2 :]
+    preset = next(
+        (tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t in ("--preset", "--model.preset")), None
+    )
+    world = launching.dry_run_world_size()
+    return build_config(file, tokens, defaults=pretrain_defaults(preset, world, recipe)), cmd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.evaluation.perplexity import EvalSettings
 
     # No prefix matching: --seed (a training key, forwarded) must not be read as --seeds.
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    epilog = None
+    if {"-h", "--help"} & set(argv if argv is not None else sys.argv[1:]):
+        from mdlmpe_ds.config import help_text
+        from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS
+
+        epilog = "every run also takes launch/pretrain.py's keys:\n" + help_text(
+            PRETRAIN_DEFAULTS, recipes=["llada-100m", "dream-100m"]
+        )
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--encodings", nargs="+", default=list(compare.MAIN_ENCODINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", default="outputs/compare-pe")
@@ -49,14 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=None, help="evaluation window (default: max_len)")
     parser.add_argument("--launcher", default=None, help='e.g. "deepspeed --num_gpus 8" (default: auto)')
     parser.add_argument("--evaluate_only", action="store_true", help="score the finished runs only")
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="print each run's plan; train nothing",
+    )
     args, forwarded = parser.parse_known_args(argv)
     unknown = [e for e in args.encodings if e not in compare.ENCODINGS]
     if unknown:
         parser.error(f"unknown encodings {unknown}; choose from {', '.join(compare.ENCODINGS)}")
-    forwarded = [*COMPARE_DEFAULTS, *forwarded]  # later flags win
+    extra, notes = compare_overrides(forwarded)
+    for note in notes:
+        print(note, flush=True)
+    forwarded = [*extra, *forwarded]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     launcher = shlex.split(args.launcher) if args.launcher else compare.default_launcher()
+    if args.dry_run:
+        for seed in args.seeds:
+            for encoding in args.encodings:
+                run, cmd = planned_config(forwarded, encoding, seed, out, args.deepspeed)
+                t, d, o = run.train, run.data, run.optim
+                print(
+                    f"[compare] {encoding} seed {seed}: {run.model.preset}, {run.model.position_encoding}, "
+                    f"max_steps {t.max_steps}, lr {run.lr}, max_len {d.max_len}, batch "
+                    f"{t.micro_batch_size}x{t.grad_accum}, warmup {o.warmup_steps or o.warmup_ratio}, "
+                    f"dataset {d.dataset}, tokenizer {d.tokenizer}\n  {shlex.join([*launcher, *cmd])}",
+                    flush=True,
+                )
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
 
     if not args.evaluate_only:
         compare.train_all(args.encodings, args.seeds, out, args.deepspeed, forwarded, launcher)

@@ -6,35 +6,34 @@ CHECKPOINT may be a step directory, the `latest` file, a `checkpoints/` folder o
 output_dir (then the newest COMPLETE checkpoint is used). The ZeRO-3 shards are consolidated in this
 one process from the fp32 master weights (DeepSpeed's zero_to_fp32 reader; no GPU, no process
 group), written as config.json + sharded safetensors + index under the upstream parameter names
-plus the MDLMPE keys (models/hf_io.save_pretrained), and the run's tokenizer files are copied in.
-`mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back.
+plus the MDLMPE keys (models/hf_io.save_pretrained); the run's tokenizer files are copied in with the
+chat template training used, and the self-contained modeling file with `auto_map`
+(mdlmpe_ds/hub/export.py). `mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back, and so does
+`transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_shard_gb: float = 5.0) -> Path:
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    max_shard_gb: float = 5.0,
+    push_to_hub: str | None = None,
+) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
     from mdlmpe_ds import engine
+    from mdlmpe_ds.hub.export import finish_export
+    from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.models.transformer import DiffusionLM
@@ -55,19 +54,25 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_sha
         converted[name] = tensor.to(DTYPES[dtype])
     out = Path(out)
     files = save_pretrained(converted, out, config, max_shard_bytes=int(max_shard_gb * 1024**3))
-    copied = []
-    if saved.tokenizer and Path(saved.tokenizer).is_dir():
-        for name in TOKENIZER_FILES:
-            src = Path(saved.tokenizer) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
-                copied.append(name)
+    done = finish_export(out, config.family, _tokenizer_dir(saved.tokenizer))
     print(
         f"exported {step_dir} (update {saved.step}) -> {out}: {len(files)} files, "
         f"{sum(t.numel() for t in converted.values()):,} parameters ({dtype}); "
-        f"tokenizer files: {copied or 'none'}"
+        f"tokenizer files: {done['tokenizer_files'] or 'none'}; chat template: {done['chat_template']}; "
+        "loads with transformers AutoModel.from_pretrained(OUT, trust_remote_code=True)"
     )
+    if push_to_hub:
+        print(f"uploaded {out} -> {upload(out, push_to_hub)}")
     return out
+
+
+def _tokenizer_dir(tokenizer: str | None) -> str | None:
+    """The run's tokenizer as a local directory (a hub id is read from the local cache)."""
+    if not tokenizer or Path(tokenizer).is_dir():
+        return tokenizer
+    from mdlmpe_ds.hub.resolve import resolve_tokenizer
+
+    return str(resolve_tokenizer(tokenizer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max_shard_gb", type=float, default=5.0)
+    parser.add_argument(
+        "--push_to_hub", metavar="REPO", default=None, help="upload the export to this hub repo"
+    )
     args = parser.parse_args(argv)
-    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb)
+    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub)
     return 0
 
 

@@ -55,20 +55,38 @@ def write_summary(out: Path, summary: dict) -> None:
     tmp.replace(out / "summary.json")
 
 
+def _help(argv: list[str]) -> str | None:
+    """Every training-config key with this launcher's defaults, for --help only."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    from mdlmpe_ds import recipes
+    from mdlmpe_ds.config import help_text
+    from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS
+
+    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
+    return help_text(PRETRAIN_DEFAULTS, recipes=names)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = launching.base_parser(__doc__.split("\n\n")[0]).parse_known_args(argv)
+    args, rest = launching.base_parser(__doc__.split("\n\n")[0], _help(argv)).parse_known_args(argv)
     launching.prepare_process()
     ranks = launching.ranks_to_relaunch(args.dry_run)
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
+    from mdlmpe_ds import recipes
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.pretraining import pretrain_defaults, run_pretrain
+    from mdlmpe_ds.pretraining import pretrain_defaults, pretrain_recipe, run_pretrain
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    defaults = pretrain_defaults(_preset_from(rest, args.config), world)
+    recipe, rest = recipes.pop_recipe(rest)
+    preset = _preset_from(rest, args.config)
+    defaults = pretrain_defaults(preset, world, recipe)
     run = build_config(args.config, rest, defaults=defaults)
+    applied = pretrain_recipe(preset, recipe)
+    if applied and os.environ.get("RANK", "0") == "0":
+        print(recipes.describe(recipes.get(applied), run, world), flush=True)
 
     def report(summary: dict) -> None:
         out = Path(run.train.output_dir).resolve()

@@ -18,12 +18,16 @@ A real model on a GPU node (bf16; batch sizes must agree with the ds config, or 
 
 Other flags: `--config run.json|yaml` (training config file; command-line keys override it),
 `--dry-run` (validate config + batch arithmetic, build on the meta device, print the plan),
-`--resume auto|PATH` (auto: the newest complete checkpoint in output_dir). Any training-config key
-is `--section.key VALUE` or `--key VALUE` (see mdlmpe_ds/config.py).
+`--resume auto|PATH` (auto: the newest complete checkpoint in output_dir), `--recipe llada-8b-sft|
+dream-7b-sft` (the paper's SFT recipe, printed; flags override it). Any training-config key is
+`--section.key VALUE` or `--key VALUE`; `--help` lists them all. `--model_name_or_path` and
+`--tokenizer` take a local directory or a hub id (`--revision`); `--dataset` a file, a directory or a
+hub name (`name:config` or `--dataset_config`, `--dataset_split`).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -31,18 +35,33 @@ from pathlib import Path
 from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
 
 
+def _help(argv: list[str]) -> str | None:
+    """Every training-config key, for --help only (built from the typed config)."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    from mdlmpe_ds import recipes
+    from mdlmpe_ds.config import help_text
+
+    return help_text(recipes=[n for n, r in recipes.RECIPES.items() if r.launcher == "sft"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = launching.base_parser(__doc__.split("\n\n")[0]).parse_known_args(argv)
+    args, rest = launching.base_parser(__doc__.split("\n\n")[0], _help(argv)).parse_known_args(argv)
     launching.prepare_process()
     ranks = launching.ranks_to_relaunch(args.dry_run)
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
+    from mdlmpe_ds import recipes
     from mdlmpe_ds.config import build_config
     from mdlmpe_ds.trainer import run_sft
 
-    run = build_config(args.config, rest)
+    recipe, rest = recipes.pop_recipe(rest)
+    chosen = recipes.get(recipe, "sft") if recipe else None
+    run = build_config(args.config, rest, defaults=chosen.defaults() if chosen else None)
+    if chosen and os.environ.get("RANK", "0") == "0":
+        print(recipes.describe(chosen, run), flush=True)
 
     def report(summary: dict) -> None:
         out = Path(run.train.output_dir).resolve()

@@ -23,18 +23,21 @@ POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
 LOSS_FAMILIES = ("auto", "llada", "dream")
 DREAM_WEIGHTINGS = ("original", "cart", "linear", "none")
 PRECISIONS = ("auto", "fp32", "bf16")
-MULTITURN = ("last", "expand")
+MULTITURN = ("last", "expand", "sample")  # sample: LLaDA's one turn per dialogue (App. B.1)
 PERBATCH_CUTOFFS = ("none", "random", "random_with_input_pad")
 TEXT_SPLITS = ("file", "paragraph", "line")
 
 
 @dataclass
 class ModelChoice:
-    """Which backbone: a preset name (from-scratch/tiny) or a local Hugging Face directory."""
+    """Which backbone: a preset name (from-scratch/tiny), a local Hugging Face directory or hub id."""
 
     preset: str = "llada-tiny"
-    # A local LLaDA-8B / Dream-7B directory (config.json + safetensors); overrides `preset`.
+    # A local LLaDA-8B / Dream-7B directory (config.json + safetensors) or a hub id such as
+    # GSAI-ML/LLaDA-8B-Instruct (snapshot_download; HF_HUB_OFFLINE honoured); overrides `preset`.
     model_name_or_path: str | None = None
+    # Hub revision (branch, tag or commit) of a hub-id model_name_or_path / tokenizer.
+    revision: str | None = None
     position_encoding: str = "mdlmpe"
     # Vocabulary and special ids of a preset model; None derives them from the tokenizer (vocab
     # rounded up to a multiple of 64; mask = the tokenizer's mask token or <|mask|>; eos; pad = eos).
@@ -57,6 +60,9 @@ class DataConfig:
 
     # "chat-demo" = the chatterbot-corpus dialogues prepared offline (data/assets.py).
     dataset: str = "chat-demo"
+    # A hub dataset's config name (HuggingFaceTB/smoltalk needs "all"); `dataset` may also say
+    # "name:config". `--dataset_split` is another spelling of `split`.
+    dataset_config: str | None = None
     split: str = "train"
     # Tokenizer directory; None = the model directory, or the offline Qwen2.5 tokenizer for presets.
     tokenizer: str | None = None
@@ -143,7 +149,8 @@ class TrainConfig:
     # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
     # Dream: 1/t / CART weighting normalised by masked-token count).
     loss: str = "auto"
-    dream_weighting: str = "original"
+    # Dream's official SFT weighting is CART with p = 0.1 (MODELS.md §3.5).
+    dream_weighting: str = "cart"
     cart_p: float = 0.1
     noise_eps: float = 1e-3
     # Block-diffusion SFT (paper §3.4, §4.4): one active response block per example, earlier blocks
@@ -185,7 +192,10 @@ class RunConfig:
         if m.position_encoding not in POSITION_ENCODINGS:
             raise bad("model.position_encoding", m.position_encoding, f"must be one of {POSITION_ENCODINGS}")
         if m.model_name_or_path is not None and not Path(m.model_name_or_path).is_dir():
-            raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory")
+            from mdlmpe_ds.hub.resolve import looks_like_hub_id
+
+            if not looks_like_hub_id(m.model_name_or_path):
+                raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
         if not isinstance(m.mdlmpe, dict):
             raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
         if d.max_len < 8:
@@ -300,6 +310,7 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "optim", "train")
+KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 
 def flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
@@ -326,7 +337,7 @@ def _section_type(section: str) -> type:
 
 def resolve_key(key: str, source: str) -> tuple[str, str]:
     """'optim.lr' or 'lr' -> ('optim', 'lr'); unknown or ambiguous keys raise listing valid keys."""
-    key = key.replace("-", "_")
+    key = KEY_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
     if "." in key:
         section, name = key.split(".", 1)
         if section in SECTIONS and name in {f.name for f in fields(_section_type(section))}:
@@ -451,3 +462,120 @@ def build_config(
         apply_overrides(config, load_config_file(config_file), str(config_file))
     apply_overrides(config, parse_overrides(cli_tokens), "command line")
     return config.validate()
+
+
+# ------------------------------------------------------------------ --help
+# One line for the keys whose meaning has no comment above its field.
+_KEY_HELP = {
+    "model.preset": "named backbone (models/presets.py) when no model_name_or_path is given",
+    "model.position_encoding": f"one of {POSITION_ENCODINGS}",
+    "model.model_name_or_path": "pretrained LLaDA/Dream: a local directory or a hub id (overrides preset)",
+    "model.vocab_size": "preset vocabulary; None: the tokenizer's size rounded up to a multiple of 64",
+    "model.mask_token_id": "preset mask id; None: the tokenizer's mask token, else the preset's own",
+    "model.eos_token_id": "preset EOS id; None: the tokenizer's",
+    "model.pad_token_id": "preset pad id; None: the EOS id",
+    "model.mdlmpe": 'MDLMPE knobs as JSON, e.g. \'{"backend": "reference", "tau_max": 0.2}\'',
+    "model.gradient_checkpointing": "activation checkpointing per layer",
+    "data.dataset": "chat data: 'chat-demo', a .json/.jsonl/.parquet file, a directory, a hub name[:config]",
+    "data.tokenizer": "tokenizer directory or hub id; None: the model's (or the demo's)",
+    "data.attend_padding": "true: EOS padding is attended and trained (official); false: invalid",
+    "data.perbatch_cutoff": f"Dream-train's per-batch response cutoff, one of {PERBATCH_CUTOFFS}",
+    "data.resp_cutoff_ratio": "Dream-train's probability per batch of cutting extra end columns",
+    "data.text_split": f"pretraining .txt documents: one of {TEXT_SPLITS}; None: the corpus's own",
+    "optim.warmup_steps": "warmup updates (overrides warmup_ratio)",
+    "train.max_steps": "optimizer updates; None: `epochs` over the data decide",
+    "train.epochs": "passes over the data when max_steps is None",
+    "train.loss": f"loss family, one of {LOSS_FAMILIES} ('auto': the model's family)",
+    "train.block_size": "block-diffusion SFT block length; None: the whole response at once",
+    "train.eval_every": "pretraining validation perplexity every N updates (0: only at the end)",
+    "train.eval_sequences": "packed validation sequences scored",
+    "train.eval_samples": "(t, mask) draws per validation sequence",
+    "data.split": "dataset split to train on (also --dataset_split)",
+    "data.max_len": "sequence length: SFT rows are truncated to it; pretraining packs windows of it",
+    "data.skip_malformed": "count and skip malformed rows instead of failing on the first",
+    "data.multiturn": "multi-turn rows: 'last' answer, 'expand' to every turn, 'sample' one turn (LLaDA)",
+    "data.text_column": "column holding the text of a .jsonl/.parquet or hub corpus",
+    "data.max_documents": "keep only the first N documents of the corpus",
+    "optim.betas": "AdamW (beta1, beta2), e.g. '[0.9, 0.95]'",
+    "optim.eps": "AdamW epsilon",
+    "optim.weight_decay": "AdamW weight decay",
+    "optim.cosine": "cosine decay after warmup (false: constant)",
+    "optim.clip": "gradient-norm clipping threshold",
+    "train.micro_batch_size": "sequences per rank per forward (must agree with the ds config)",
+    "train.grad_accum": "micro-batches accumulated per optimizer update",
+    "train.seed": "seed of initialisation, data order and corruption draws",
+    "train.save_every": "checkpoint every N updates",
+    "train.keep_last": "complete checkpoints kept",
+    "train.output_dir": "run directory: checkpoints, metrics, TensorBoard logs",
+    "train.log_every": "log metrics every N updates",
+    "train.dream_weighting": f"Dream loss weighting, one of {DREAM_WEIGHTINGS} (official SFT: cart)",
+    "train.cart_p": "CART geometric-kernel p (official 0.1)",
+    "train.noise_eps": "LLaDA's mask-probability floor p = (1 - eps) t + eps",
+    "train.block_context": "block diffusion: later blocks 'full' (masked) or 'blocked' (hidden)",
+    "train.head_schedule": "SFT: switch MDLMPE on head by head between 10% and 90% of training",
+    "train.max_consecutive_nonfinite": "stop after this many non-finite updates in a row",
+}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment lines right above each field of dataclass ``cls``, joined (its documentation)."""
+    import inspect
+    import re
+
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        match = re.match(r"^(\w+): ", stripped)
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+        elif match:
+            if pending:
+                out[match.group(1)] = " ".join(p for p in pending if not p.startswith("----"))
+            pending = []
+        else:
+            pending = []
+    return out
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def _first_sentence(text: str, limit: int = 150) -> str:
+    import re
+
+    text = re.split(r"(?<!e\.g)(?<!i\.e)\. |; ", text, maxsplit=1)[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def help_text(defaults: dict[str, Any] | None = None, recipes: list[str] | None = None) -> str:
+    """Every training-config key grouped by section: ``--key TYPE (default D)  meaning`` (the --help
+    of the launchers). ``defaults``: a launcher's own defaults shown instead of the dataclass ones."""
+    base = RunConfig()
+    if defaults:
+        apply_overrides(base, flatten(defaults, "launcher defaults"), "launcher defaults")
+    lines = [
+        "training-config keys (--key VALUE or --section.key VALUE; a --config file takes the same keys;",
+        "the command line wins over the file, the file over --recipe, the recipe over these defaults):",
+    ]
+    if recipes:
+        lines.append(
+            f"  --recipe NAME     the paper's values for one run, printed at start: {', '.join(recipes)}"
+        )
+    for section in SECTIONS:
+        cls = _section_type(section)
+        comments = _field_comments(cls)
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"\n{section}: {doc}")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            key = f"{section}.{f.name}"
+            meaning = _KEY_HELP.get(key) or _first_sentence(comments.get(f.name, "")) or "-"
+            default = getattr(getattr(base, section), f.name)
+            lines.append(f"  --{f.name} {_type_name(hints[f.name])} (default {default!r})")
+            lines.append(f"        {meaning}")
+    aliases = ", ".join(f"--{a} = --{k}" for a, k in KEY_ALIASES.items())
+    lines.append(f"\naliases: {aliases}")
+    return "\n".join(lines)

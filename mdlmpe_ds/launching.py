@@ -37,10 +37,16 @@ _LAUNCHER_ENV = (
 )
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """--deepspeed, --local_rank (accepted, ignored), --config, --dry-run, --resume."""
+def base_parser(description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """--deepspeed, --local_rank (accepted, ignored), --config, --dry-run, --resume; ``epilog``: the
+    training-config keys for --help (``config.help_text``)."""
     # No prefix matching: a training key such as --seed must never be taken for a launcher flag.
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=description,
+        allow_abbrev=False,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--deepspeed", default=str(REPO / "ds_configs" / "zero3.json"), help="DeepSpeed JSON config"
     )

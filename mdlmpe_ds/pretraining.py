@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mdlmpe_ds import engine as eng
+from mdlmpe_ds import recipes
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.data.fingerprint import Fingerprint
 from mdlmpe_ds.diffusion.elbo import scored_positions
@@ -64,47 +65,37 @@ PRETRAIN_DEFAULTS: dict[str, Any] = {
     "train.output_dir": "outputs/pretrain-demo",
 }
 
-# Paper Appendix B: AdamW lr 1e-4, betas 0.9/0.999, weight decay 0.01, cosine, 2K warmup steps,
-# effective batch 16, L = 1024, 200K steps, MDLMPE on every head from the start.
-PAPER_RECIPE: dict[str, Any] = {
-    "data.max_len": 1024,
-    "optim.lr": 1e-4,
-    "optim.betas": (0.9, 0.999),
-    "optim.weight_decay": 0.01,
-    "optim.cosine": True,
-    "optim.warmup_steps": 2000,
-    "optim.min_lr_ratio": 0.0,
-    "train.max_steps": 200_000,
-    "train.save_every": 5000,
-    "train.eval_every": 5000,
-    "train.head_schedule": False,
-}
-RECIPE_PRESETS = ("llada-100m", "dream-100m")
+# Paper Appendix B.3 (AdamW lr 1e-4, betas 0.9/0.999, weight decay 0.01, cosine, 2K warmup steps,
+# effective batch 16, L = 1024, 200K steps, MDLMPE on every head from the start): the llada-100m and
+# dream-100m recipes of mdlmpe_ds/recipes.py, which a --preset of that name applies as --recipe does.
+PAPER_RECIPE: dict[str, Any] = {k: v for k, (v, _) in recipes._PRETRAIN_100M.items()}
+RECIPE_PRESETS = tuple(name for name, r in recipes.RECIPES.items() if r.launcher == "pretrain")
 PAPER_GLOBAL_BATCH = 16
 
 
-def pretrain_defaults(preset: str | None, world: int) -> dict[str, Any]:
-    """Launcher defaults for ``preset``: the paper's recipe for the 100M presets, the CPU demo's
-    otherwise. Config files and flags override them.
+def pretrain_recipe(preset: str | None, recipe: str | None) -> str | None:
+    """The recipe a pretraining run applies: ``--recipe``, else a ``--preset`` that has one."""
+    if recipe is not None:
+        recipes.get(recipe, "pretrain")
+        return recipe
+    return preset if preset in RECIPE_PRESETS else None
+
+
+def pretrain_defaults(preset: str | None, world: int, recipe: str | None = None) -> dict[str, Any]:
+    """Launcher defaults: the recipe's values (``--recipe``, or a ``--preset`` with a recipe) over the
+    CPU demo's. Config files and flags override them.
 
     The recipe's global batch of 16 is micro-batch 4 (as ds_configs/zero3.json) x gradient
     accumulation on 1, 2 or 4 ranks; on 8 or 16 ranks micro-batches of 2 or 1 (the ds config must
     then say so too, or "auto")."""
     defaults = dict(PRETRAIN_DEFAULTS)
+    name = pretrain_recipe(preset, recipe)
+    if name is not None:
+        chosen = recipes.get(name, "pretrain")
+        defaults.update(chosen.defaults())
+        defaults.update(recipes.batch_split(chosen, world))
     if preset is not None:
         defaults["model.preset"] = preset
-    if preset in RECIPE_PRESETS:
-        defaults.update(PAPER_RECIPE)
-        defaults["train.output_dir"] = f"outputs/pretrain-{preset}"
-        if PAPER_GLOBAL_BATCH % world:
-            raise ValueError(
-                f"the {preset} recipe's global batch {PAPER_GLOBAL_BATCH} does not split over {world} "
-                "ranks; set --micro_batch_size and --grad_accum explicitly"
-            )
-        per_rank = PAPER_GLOBAL_BATCH // world
-        micro = 4 if per_rank % 4 == 0 else per_rank
-        defaults["train.micro_batch_size"] = micro
-        defaults["train.grad_accum"] = per_rank // micro
     return defaults
 
 
@@ -303,8 +294,10 @@ def run_pretrain(
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
+    from mdlmpe_ds.hub.resolve import resolve_run_names
 
     world, rank = eng.world_size(), eng.rank()
+    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
     d, t = run.data, run.train
     tok_dir = rank_zero_first(lambda: resolve_tokenizer_dir(run))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))

@@ -535,18 +535,19 @@ def model_config_for(run: RunConfig, tokenizer):
         base = read_hf_config(m.model_name_or_path)
         # L_ref of MDLMPE is the run's max length, and the model config must agree with it.
         return dataclasses.replace(base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, **common).validate()
+    vocab = m.vocab_size if m.vocab_size is not None else _round_up(len(tokenizer), 64)
     mask_id = m.mask_token_id
     if mask_id is None:
         mask_id = tokenizer.mask_token_id
         if mask_id is None:
             mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
             if mask_id is None or mask_id == tokenizer.unk_token_id:
-                raise ValueError("the tokenizer has no mask token (<|mask|>); set model.mask_token_id")
+                own = _preset_with_mask_for(m.preset, len(tokenizer))
+                mask_id, vocab = own.mask_token_id, m.vocab_size or own.vocab_size
     eos = m.eos_token_id if m.eos_token_id is not None else tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos token; set model.eos_token_id")
     pad = m.pad_token_id if m.pad_token_id is not None else eos
-    vocab = m.vocab_size if m.vocab_size is not None else _round_up(len(tokenizer), 64)
     if vocab < len(tokenizer):
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
     return preset(
@@ -558,6 +559,21 @@ def model_config_for(run: RunConfig, tokenizer):
         max_seq_len=max(run.data.max_len, 8),
         mdlmpe=mdlmpe,
         **common,
+    )
+
+
+def _preset_with_mask_for(name: str, tokenizer_size: int):
+    """The preset whose own mask id (and table size) serve when the tokenizer declares no mask token:
+    LLaDA's tokenizer has none, and its model config's 126336 is the source of truth. Only when the
+    preset's table covers the tokenizer; else the error naming the key to set."""
+    from mdlmpe_ds.models.presets import preset
+
+    own = preset(name)
+    if own.vocab_size >= tokenizer_size:
+        return own
+    raise ValueError(
+        f"the tokenizer has no mask token (<|mask|>) and preset {name}'s table ({own.vocab_size}) does not "
+        f"cover its {tokenizer_size} tokens; set model.mask_token_id"
     )
 
 
@@ -742,9 +758,11 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
 
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.data.sft import SFTCollator, build_sft_dataset, eos_pad_id
+    from mdlmpe_ds.hub.resolve import resolve_run_names
 
     world, rank = eng.world_size(), eng.rank()
     t = run.train
+    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
     tok_dir, source = resolve_sources(run)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model_config = model_config_for(run, tokenizer)
@@ -761,6 +779,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             skip_malformed=run.data.skip_malformed,
             multiturn=run.data.multiturn,
             cache_dir=Path(t.output_dir) / "data_cache",  # keyed by source, tokenizer and settings
+            seed=run.train.seed,  # the turn drawn by multiturn="sample"
         )
     )
     check_same_data_on_all_ranks(dataset, source)

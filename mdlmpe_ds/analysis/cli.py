@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", help="gamma, phase residuals and their evolution for a checkpoint"
     )
     ckpt.add_argument(
-        "--model", type=Path, required=True, help="HF-style directory (config.json + safetensors)"
+        "--model", type=Path, required=True, help="HF-style directory (config.json + safetensors) or hub id"
     )
     ckpt.add_argument("--out", type=Path, required=True)
     ckpt.add_argument("--length", type=int, default=64, help="sequence length of the probe input")

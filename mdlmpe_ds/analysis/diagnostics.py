@@ -255,10 +255,11 @@ def pair_columns(pairs: list[int], num_pairs: int) -> list[int]:
 
 def run_checkpoint(args: argparse.Namespace) -> list[Path]:
     """The ``checkpoint`` command: load the directory, probe it, write PNG + JSON (+ TensorBoard)."""
+    from mdlmpe_ds.hub.resolve import resolve_model
     from mdlmpe_ds.models.hf_io import load_pretrained
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = load_pretrained(args.model, device=args.device, dtype=dtype).eval()
+    model = load_pretrained(resolve_model(str(args.model)), device=args.device, dtype=dtype).eval()
     return diagnose(model, args, source=str(args.model))
 
 

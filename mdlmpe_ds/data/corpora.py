@@ -184,7 +184,10 @@ def _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator
         raise FileNotFoundError(
             f"corpus {spec!r}: no such file or directory (named corpora: {', '.join(NAMED_CORPORA)})"
         )
+    from mdlmpe_ds.hub.resolve import split_dataset_name
+
+    spec, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
     return PackedTokenDataset.from_hub(
         spec, tokenizer, seq_len, text_column=text_column, max_documents=max_documents,
-        separator_id=separator_id,
+        separator_id=separator_id, name=config,
     )  # fmt: skip

@@ -121,7 +121,10 @@ def load_sft_rows(source: str | Path, split: str = "train") -> Any:
     fmt = _local_format(source)
     if fmt is not None:
         return datasets.load_dataset(fmt, data_files={split: source}, split=split)
-    return datasets.load_dataset(source, split=split)
+    from mdlmpe_ds.hub.resolve import split_dataset_name
+
+    name, config = split_dataset_name(source)  # "HuggingFaceTB/smoltalk:all" names config "all"
+    return datasets.load_dataset(name, config, split=split)
 
 
 class _BadLine(NamedTuple):

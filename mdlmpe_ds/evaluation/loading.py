@@ -1,6 +1,7 @@
 """Load a model (and its tokenizer) for inference from an exported HF directory or a training run.
 
-- An exported / Hugging Face directory (``config.json`` + safetensors): ``hf_io.load_pretrained``.
+- An exported / Hugging Face directory (``config.json`` + safetensors): ``hf_io.load_pretrained``;
+  a hub id (``org/name``) is first resolved to its snapshot (``mdlmpe_ds.hub.resolve``).
 - A training output (output_dir, ``checkpoints/``, a step directory or ``latest``): the newest
   COMPLETE ZeRO-3 checkpoint is consolidated in this process from its fp32 master weights, as
   ``launch/export.py`` does, and the tokenizer recorded by the run is used.
@@ -57,7 +58,7 @@ def load_model(
     """(model in eval mode on ``device`` in ``dtype``, tokenizer directory or None)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} must be one of {sorted(DTYPES)}")
-    path = Path(path)
+    path = _local(path, "model")
     if is_hf_dir(path):
         model, tokenizer = load_pretrained(path), str(path)
     elif path.exists():
@@ -69,7 +70,16 @@ def load_model(
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """A Hugging Face tokenizer from a local directory (no hub access)."""
+    """A Hugging Face tokenizer from a local directory or a hub id (read from the hub cache)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(_local(path, "tokenizer")), local_files_only=True)
+
+
+def _local(path: str | Path, what: str) -> Path:
+    """A local path as is; a hub id (``org/name``) through the hub cache or ``snapshot_download``."""
+    from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
+
+    if Path(path).exists() or not looks_like_hub_id(str(path)):
+        return Path(path)
+    return resolve(str(path), what=what, tokenizer=what == "tokenizer")

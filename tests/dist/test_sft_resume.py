@@ -167,3 +167,10 @@ def test_export_load_same_logits(straight, tmp_path):
     # Same fp32 weights; ZeRO-3's gathered forward vs the plain module: identical kernels, so only
     # summation-order noise is allowed.
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+    # The same export through plain transformers (modeling_mdlmpe.py + auto_map, issue 17).
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        hf_logits = hf(probe["input_ids"], attention_mask=probe["valid"].long()).logits.float()
+    torch.testing.assert_close(hf_logits, probe["logits"], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,179 @@
+"""The paper's recipes as one flag: ``--recipe NAME`` (issue 17 "Recipes").
+
+A recipe is a set of training-config values, each with the place that states it (the paper's
+Appendix B.3 / B.4, or MODELS.md for what the paper leaves open). It sits under the config file
+and the command line (``build_config(defaults=...)``): any key given there wins, and the launcher
+prints every value the recipe set and which ones were overridden.
+
+- ``llada-8b-sft``, ``dream-7b-sft``: SFT of the public checkpoints (launch/sft.py);
+- ``llada-100m``, ``dream-100m``: from-scratch pretraining (launch/pretrain.py). ``--preset
+  llada-100m`` on launch/pretrain.py is the same thing: a preset that has a recipe applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+B4 = "paper App. B.4"
+B3 = "paper App. B.3"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    launcher: str  # "sft" | "pretrain"
+    # config key (section.key) -> (value, source)
+    values: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    # Pretraining recipes split the paper's effective batch over the ranks (see batch_split).
+    global_batch: int | None = None
+
+    def defaults(self) -> dict[str, Any]:
+        return {key: value for key, (value, _) in self.values.items()}
+
+
+_SFT_COMMON: dict[str, tuple[Any, str]] = {
+    "model.position_encoding": ("mdlmpe", B4),
+    "data.dataset": (
+        "allenai/tulu-3-sft-mixture",
+        "paper App. B.1 (Tulu-3; SmolTalk is HuggingFaceTB/smoltalk:all)",
+    ),
+    "optim.lr": (2e-5, B4),
+    "train.epochs": (5.0, B4),
+    "train.max_steps": (None, B4 + " (five epochs decide the length)"),
+    "train.head_schedule": (True, B4 + " Eq. sft_head_warmup"),
+    "train.precision": ("bf16", B4 + " (bfloat16)"),
+    "optim.cosine": (True, "MODELS.md §6 (dllm: cosine)"),
+    "optim.warmup_ratio": (0.1, "MODELS.md §3.5, §6 (warmup 0.1)"),
+    "model.gradient_checkpointing": (True, "MODELS.md §6.1 (8B memory)"),
+}
+
+_PRETRAIN_100M: dict[str, tuple[Any, str]] = {
+    "data.dataset": ("Skylion007/openwebtext", B3 + " (OWT)"),
+    "data.validation": ("ptb", "paper Table 2 (PTB zero-shot)"),
+    "data.max_len": (1024, B3),
+    "optim.lr": (1e-4, B3),
+    "optim.betas": ((0.9, 0.999), B3),
+    "optim.weight_decay": (0.01, B3),
+    "optim.cosine": (True, B3),
+    "optim.warmup_steps": (2000, B3),
+    "optim.min_lr_ratio": (0.0, B3 + " (cosine decay, no floor stated)"),
+    "train.max_steps": (200_000, B3),
+    "train.save_every": (5000, "choice: 40 checkpoints over 200K steps"),
+    "train.eval_every": (5000, B3 + " (fixed validation cadence)"),
+    "train.head_schedule": (False, B3 + " (MDLMPE active from the first update)"),
+}
+
+RECIPES: dict[str, Recipe] = {
+    "llada-8b-sft": Recipe(
+        "llada-8b-sft",
+        "sft",
+        {
+            "model.model_name_or_path": ("GSAI-ML/LLaDA-8B-Base", "MODELS.md §6 (dllm SFT starts from Base)"),
+            **_SFT_COMMON,
+            "data.multiturn": ("sample", "MODELS.md §3.2 (LLaDA App. B.1: one sampled turn)"),
+            "data.max_len": (1024, "MODELS.md §6 (dllm --max_length 1024)"),
+            "train.output_dir": ("outputs/llada-8b-sft", "choice"),
+        },
+    ),
+    "dream-7b-sft": Recipe(
+        "dream-7b-sft",
+        "sft",
+        {
+            "model.model_name_or_path": ("Dream-org/Dream-v0-Base-7B", "MODELS.md §3.5 (Dream-train)"),
+            **_SFT_COMMON,
+            "data.multiturn": ("last", "MODELS.md §3.5 (response = last answer)"),
+            "data.max_len": (2048, "MODELS.md §3.5"),
+            "data.perbatch_cutoff": ("random_with_input_pad", "MODELS.md §3.5"),
+            "train.dream_weighting": ("cart", "MODELS.md §3.5 (official time_reweighting=cart)"),
+            "train.cart_p": (0.1, "MODELS.md §3.5"),
+            "optim.betas": ((0.9, 0.95), "MODELS.md §3.5"),
+            "optim.weight_decay": (0.01, "MODELS.md §3.5"),
+            "optim.clip": (1.0, "MODELS.md §3.5"),
+            "train.output_dir": ("outputs/dream-7b-sft", "choice"),
+        },
+    ),
+    "llada-100m": Recipe(
+        "llada-100m",
+        "pretrain",
+        {
+            "model.preset": ("llada-100m", B3),
+            # 126,464-token vocabulary: LLaDA's tokenizer (its mask id comes from the preset).
+            "data.tokenizer": ("GSAI-ML/LLaDA-8B-Base", B3 + " (126,464-token vocabulary)"),
+            **_PRETRAIN_100M,
+            "train.output_dir": ("outputs/pretrain-llada-100m", "choice"),
+        },
+        global_batch=16,
+    ),
+    "dream-100m": Recipe(
+        "dream-100m",
+        "pretrain",
+        {
+            "model.preset": ("dream-100m", B3),
+            "data.tokenizer": ("Dream-org/Dream-v0-Base-7B", "models/presets.py (Dream's native vocabulary)"),
+            **_PRETRAIN_100M,
+            "train.output_dir": ("outputs/pretrain-dream-100m", "choice"),
+        },
+        global_batch=16,
+    ),
+}
+
+
+def get(name: str, launcher: str | None = None) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    recipe = RECIPES[name]
+    if launcher is not None and recipe.launcher != launcher:
+        raise ValueError(f"recipe {name!r} is for launch/{recipe.launcher}.py, not launch/{launcher}.py")
+    return recipe
+
+
+def batch_split(recipe: Recipe, world: int) -> dict[str, Any]:
+    """micro_batch_size x grad_accum x world = the recipe's global batch (micro 4 where it fits, as
+    ds_configs/zero3.json; on 8 or 16 ranks 2 or 1, and the ds config must then agree or say auto)."""
+    if recipe.global_batch is None:
+        return {}
+    if recipe.global_batch % world:
+        raise ValueError(
+            f"the {recipe.name} recipe's global batch {recipe.global_batch} does not split over {world} "
+            "ranks; set --micro_batch_size and --grad_accum explicitly"
+        )
+    per_rank = recipe.global_batch // world
+    micro = 4 if per_rank % 4 == 0 else per_rank
+    return {"train.micro_batch_size": micro, "train.grad_accum": per_rank // micro}
+
+
+def pop_recipe(tokens: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--recipe NAME`` / ``--recipe=NAME`` out of a launcher's remaining flags."""
+    rest, name, i = [], None, 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--recipe":
+            if i + 1 >= len(tokens):
+                raise ValueError("command line: --recipe needs a name: " + ", ".join(RECIPES))
+            name, i = tokens[i + 1], i + 2
+            continue
+        if token.startswith("--recipe="):
+            name = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+        i += 1
+    return name, rest
+
+
+def describe(recipe: Recipe, run: Any, world: int | None = None) -> str:
+    """One line per value the recipe sets: the value in effect, its source, and whether a config
+    file or the command line overrode it."""
+    lines = [f"recipe {recipe.name} (launch/{recipe.launcher}.py):"]
+    values = dict(recipe.values)
+    if world is not None:
+        values.update({k: (v, f"global batch {recipe.global_batch} over {world} ranks")
+                       for k, v in batch_split(recipe, world).items()})  # fmt: skip
+    for key, (value, source) in values.items():
+        section, name = key.split(".", 1)
+        actual = getattr(getattr(run, section), name)
+        if isinstance(value, tuple):
+            actual = tuple(actual) if actual is not None else actual
+        note = "" if actual == value else f"   (overridden: recipe says {value!r})"
+        lines.append(f"  {key} = {actual!r}   [{source}]{note}")
+    return "\n".join(lines)

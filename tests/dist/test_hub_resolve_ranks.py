@@ -1,0 +1,50 @@
+"""Hub ids on 2 ranks (gloo): rank 0 resolves first and the other rank then reads the cache; a
+failure on rank 0 reaches every rank as the same clear error instead of a hang at a barrier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.dist
+
+REV = "0" * 40
+
+
+def _worker(rank: int, world: int, port: int, cache: str, results: str) -> None:
+    os.environ.update(HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1")
+    from huggingface_hub import constants
+
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = cache, True
+    from mdlmpe_ds.hub.resolve import HubResolveError, resolve
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        found = resolve("org/tiny")
+        try:
+            resolve("org/absent")
+            missing = "no error"
+        except HubResolveError as err:
+            missing = str(err)
+        with open(os.path.join(results, f"rank{rank}.txt"), "w") as fh:
+            fh.write(f"{found}\n{missing}\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_resolve_the_same_snapshot_and_share_rank0_errors(tmp_path):
+    from mdlmpe_ds.launching import free_port
+
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "snapshots" / REV).mkdir(parents=True)
+    (repo / "snapshots" / REV / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path / "cache"), str(tmp_path)), nprocs=2, join=True)
+    lines = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
+    assert lines[0][0] == lines[1][0] == str(repo / "snapshots" / REV)
+    assert "rank 0 could not fetch it" in lines[1][1] and "org/absent" in lines[1][1]
+    assert "HF_HUB_OFFLINE is set" in lines[0][1]

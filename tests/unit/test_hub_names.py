@@ -1,0 +1,146 @@
+"""Hub names in (issue 17): model / tokenizer hub ids resolve from a local Hugging Face cache with
+HF_HUB_OFFLINE=1 (no network), everywhere a model or tokenizer is taken; a missing id fails with a
+clear message; datasets take ``name:config`` / ``--dataset_config`` and ``--dataset_split``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdlmpe_ds.config import build_config
+from mdlmpe_ds.hub.resolve import HubResolveError, resolve, resolve_run_names, split_dataset_name
+from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+from sft_fixtures import make_chat, make_tokenizer  # noqa: E402
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty hub cache under tmp_path, offline; ``add(repo_id, src_dir, refs)`` fills it with the
+    standard layout models--org--name/snapshots/REV/... and refs/<ref> = REV."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def add(repo_id: str, src: Path, refs=("main",), rev: str = REV) -> Path:
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / rev
+        shutil.copytree(src, snapshot, dirs_exist_ok=True)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        for ref in refs:
+            (repo / "refs" / ref).write_text(rev)
+        return snapshot
+
+    return add
+
+
+@pytest.fixture(scope="module")
+def tiny_hub_model(tmp_path_factory):
+    """A tiny LLaDA checkpoint directory with the fixture tokenizer's ids, tokenizer files inside."""
+    root = tmp_path_factory.mktemp("hubmodel")
+    tok = make_tokenizer(root / "tok")
+    model_dir = root / "model"
+    config = preset("llada-tiny", vocab_size=128, mask_token_id=3, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    save_pretrained(DiffusionLM(config), model_dir, config)
+    for file in tok.iterdir():
+        shutil.copy2(file, model_dir / file.name)
+    return model_dir, make_chat(root / "chat.jsonl", rows=16)
+
+
+def test_hub_id_resolves_from_the_local_cache(hub_cache, tiny_hub_model, tmp_path):
+    model_dir, _ = tiny_hub_model
+    snapshot = hub_cache("org/tiny-llada", model_dir, refs=("main", "v1"))
+    assert resolve("org/tiny-llada") == snapshot
+    assert resolve("org/tiny-llada", revision="v1") == snapshot
+    assert resolve("org/tiny-llada@v1") == snapshot
+    assert (resolve("org/tiny-llada") / "config.json").is_file()
+    # A local directory is never taken for a hub id.
+    assert resolve(str(model_dir)) == model_dir
+
+
+def test_missing_hub_id_offline_fails_clearly(hub_cache):
+    with pytest.raises(HubResolveError, match=r"'org/absent'.*HF_HUB_OFFLINE is set.*not in the local"):
+        resolve("org/absent")
+    with pytest.raises(HubResolveError, match=r"no such local file or directory, and not a hub id"):
+        resolve("./no/such/dir")
+    with pytest.raises(ValueError, match=r"model_name_or_path='./nowhere' is not a directory or hub id"):
+        build_config(None, ["--model_name_or_path", "./nowhere"])
+
+
+def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_model, tmp_path, capsys):
+    from mdlmpe_ds.trainer import run_sft
+
+    model_dir, chat = tiny_hub_model
+    snapshot = hub_cache("org/tiny-llada", model_dir)
+    args = ["--model_name_or_path", "org/tiny-llada", "--tokenizer", "org/tiny-llada", "--dataset", str(chat)]
+    run = build_config(
+        None, [*args, "--max_len", "48", "--max_steps", "2", "--output_dir", str(tmp_path / "o")]
+    )
+    result = run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume=None, dry_run=True)
+    assert result["total_updates"] == 2
+    assert run.model.model_name_or_path == str(snapshot) and run.data.tokenizer == str(snapshot)
+    assert "org/tiny-llada" not in capsys.readouterr().err
+
+
+def test_inference_loaders_take_hub_ids(hub_cache, tiny_hub_model):
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+
+    model_dir, _ = tiny_hub_model
+    snapshot = hub_cache("org/tiny-llada", model_dir)
+    model, tok_dir = load_model("org/tiny-llada")
+    assert Path(tok_dir) == snapshot and model.config.vocab_size == 128
+    assert load_tokenizer("org/tiny-llada").mask_token == "<|mask|>"
+
+
+def _configured_dataset(root: Path) -> Path:
+    """A dataset folder with two config names (like HuggingFaceTB/smoltalk's "all")."""
+    rows = {
+        "all": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+        * 3,
+        "tiny": [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+    }
+    for name, data in rows.items():
+        (root / name).mkdir(parents=True)
+        for split in ("train", "test"):
+            lines = data if split == "train" else data[:1]
+            (root / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cards = "".join(
+        f"- config_name: {name}\n  data_files:\n"
+        f"  - split: train\n    path: {name}/train.jsonl\n  - split: test\n    path: {name}/test.jsonl\n"
+        for name in rows
+    )
+    (root / "README.md").write_text(f"---\nconfigs:\n{cards}---\n")
+    return root
+
+
+def test_dataset_config_name_and_split(tmp_path, monkeypatch):
+    from mdlmpe_ds.data.sft import load_sft_rows
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = _configured_dataset(tmp_path / "smoltalk-like")
+    assert len(load_sft_rows(f"{data}:all")) == 3
+    assert len(load_sft_rows(f"{data}:tiny")) == 1
+    assert len(load_sft_rows(f"{data}:all", split="test")) == 1
+    run = build_config(None, ["--dataset", str(data), "--dataset_config", "all", "--dataset_split", "test"])
+    assert run.data.split == "test"
+    resolve_run_names(run)
+    assert run.data.dataset == f"{data}:all"
+    assert split_dataset_name("HuggingFaceTB/smoltalk:all") == ("HuggingFaceTB/smoltalk", "all")
+    assert split_dataset_name("allenai/tulu-3-sft-mixture") == ("allenai/tulu-3-sft-mixture", None)
+    with pytest.raises(ValueError, match="names config 'all' but dataset_config is 'tiny'"):
+        split_dataset_name("x/y:all", "tiny")
