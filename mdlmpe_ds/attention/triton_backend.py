@@ -306,6 +306,11 @@ def triton_attention(
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"mdlmpe backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
+            "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
+        )
     _check_inputs(q, k, v, A, D, phase, key_valid, block_size)
     if pair_chunk < 1 or pair_chunk & (pair_chunk - 1) or (pair_chunk < 16 and not _interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={pair_chunk} must be a power of 2 (>= 16 on a GPU)")
