@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
     p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
     p.add_argument("--num-stages", type=int, default=None, help="Triton software-pipelining stages")
+    p.add_argument("--max-registers", type=int, default=None, help="Triton maxnreg (registers/thread)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="q, k, v dtype")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
@@ -194,6 +195,7 @@ def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
         pair_chunk=args.pair_chunk,
         num_warps=args.num_warps,
         num_stages=args.num_stages,
+        max_registers=args.max_registers,
     )
     return {k: v for k, v in given.items() if v is not None}
 

@@ -68,7 +68,8 @@ class KernelResources:
         return (
             f"{self.kernel:<8} sm_{self.capability} d_h={self.head_dim:<4} {self.dtype:<5} "
             f"tile={c.tile} G={c.heads_per_program} chunk={c.pair_chunk} warps={c.num_warps} "
-            f"stages={c.num_stages}: shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
+            f"stages={c.num_stages} maxnreg={c.max_registers}: "
+            f"shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
             f"({'fits' if self.fits else 'OVER'}), {self.registers} registers, "
             f"{self.spill_bytes} B spill/thread ({self.compile_s:.0f} s)"
         )
@@ -148,7 +149,7 @@ def compile_kernel(
     compiled = triton.compile(
         source,
         target=GPUTarget("cuda", capability, 32),
-        options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+        options=dict(num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers),
     )
     usage = resource_usage(compiled.asm["cubin"])
     return KernelResources(

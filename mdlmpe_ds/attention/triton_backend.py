@@ -113,7 +113,9 @@ class _Plan:
         self.group = self.meta["G"]
         self.rows = batch * (self.num_heads // self.group)
         self.num_tiles = math.ceil(self.length / config.tile)
-        self.meta.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        self.meta.update(
+            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers
+        )
 
     def dims(self) -> tuple[int, ...]:
         return (self.length, self.num_heads, self.num_kv, self.num_pairs, self.hidden, self.num_mdlmpe)
@@ -264,6 +266,7 @@ def resolve_launch(
     pair_chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
 ) -> LaunchConfig:
     """The launch settings of a call: :func:`triton_launch.launch_config` for q's head size, dtype and
     GPU (sm_90's in the interpreter), with any setting given explicitly taking its place."""
@@ -275,6 +278,7 @@ def resolve_launch(
         pair_chunk=pair_chunk,
         num_warps=num_warps,
         num_stages=num_stages,
+        max_registers=max_registers,
     )
     return dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
 

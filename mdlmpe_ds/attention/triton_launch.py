@@ -41,7 +41,8 @@ class LaunchConfig:
     ``tile``: row and key tile edge (BM = BN); ``heads_per_program``: query heads sharing one
     alpha/beta tile (G, rounded down to a power-of-2 divisor of Hq at launch); ``pair_chunk``:
     MDLMPE pairs per alpha/beta chunk (the live pair tiles are [tile, tile, pair_chunk]);
-    ``num_warps``, ``num_stages``: Triton's (stages = software-pipelining depth of the key loop).
+    ``num_warps``, ``num_stages``: Triton's (stages = software-pipelining depth of the key loop);
+    ``max_registers``: the PTX ``.maxnreg`` bound (Triton's ``maxnreg``) per thread.
     """
 
     tile: int
@@ -49,6 +50,7 @@ class LaunchConfig:
     pair_chunk: int
     num_warps: int
     num_stages: int
+    max_registers: int
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchConfig:
@@ -67,6 +69,8 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
       (3 stages: +12-30%), while the kernel is bound by the pair arithmetic on CUDA cores, not by
       those loads; at d_h 128 bf16 on sm_90, 2 stages trade forward / dQ spills (232 -> 40 and
       272 -> 104 B per thread) for more in dK/dV, the slowest kernel (1752 -> 2016 B).
+    - at most 255 registers per thread, stated: left to itself ptxas gives the dK/dV kernel only
+      128 on sm_80 (5.6 KiB of spills per thread at d_h 128 instead of 4.8 KiB with 255).
     - 2 heads per program (alpha, beta and the phase MLP shared by both), except fp32 at d_h > 64:
       there the dK/dV kernel needs 172 KiB of shared memory with 2 heads, over the A100's 163 KiB,
       and 140 KiB with 1. Fewer heads per program also spills less, but recomputes the phase MLP
@@ -88,7 +92,9 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
             CHECKED_CAPABILITIES,
         )
     heads = 1 if dtype == torch.float32 and head_dim > 64 else 2
-    return LaunchConfig(tile=16, heads_per_program=heads, pair_chunk=16, num_warps=8, num_stages=1)
+    return LaunchConfig(
+        tile=16, heads_per_program=heads, pair_chunk=16, num_warps=8, num_stages=1, max_registers=255
+    )
 
 
 def device_capability(device: torch.device) -> int:

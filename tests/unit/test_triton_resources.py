@@ -7,8 +7,9 @@ memory exceeds the target's per-block maximum cannot launch (Triton raises OutOf
 fails here. Registers and spill bytes per thread (``cuobjdump -res-usage``) are printed as a table
 and held to the documented bounds below, so a change that makes the kernels spill more is seen.
 
-Cost: 24 compiles, ~5-80 s each on one core; they run once per session in 2 spawned processes
-(fresh imports, so never the interpreter), and triton's on-disk cache makes reruns take seconds.
+Cost: 24 compiles, 2-70 s each on one core; they run once per session in 2 spawned processes
+(fresh imports, so never the interpreter): ~3 minutes cold on 2 busy cores, seconds afterwards
+from triton's on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache).
 """
 
 from __future__ import annotations
@@ -38,10 +39,37 @@ JOBS = [
     for kernel in KERNELS
 ]
 
-#: Spill bytes per thread allowed, per (kernel, d_h, dtype): the values measured with triton 3.9
-#: for the current launch settings (module table), rounded up by ~25%. Spills cost local-memory
-#: traffic (L1-cached), not correctness; these bounds exist to notice regressions.
-SPILL_BOUND = {}
+#: Spill bytes per thread allowed, per (kernel, capability, d_h, dtype): the values measured with
+#: triton 3.9 for the current launch settings, +25% (at least 64: a 32-byte stack frame is always
+#: there). Spills cost local-memory traffic (L1-cached), not correctness: these bounds notice a
+#: change that makes them worse. The dK/dV kernel (the phase-MLP gradients on top of dK, dV) is the
+#: one that spills; see triton_launch.launch_config for what was tried.
+SPILL_BOUND = {
+    ("forward", 80, 64, "bf16"): 64,  # measured 32
+    ("dk_dv", 80, 64, "bf16"): 3776,  # measured 3016
+    ("dq", 80, 64, "bf16"): 64,  # measured 32
+    ("forward", 80, 64, "fp32"): 64,  # measured 32
+    ("dk_dv", 80, 64, "fp32"): 272,  # measured 208
+    ("dq", 80, 64, "fp32"): 64,  # measured 32
+    ("forward", 80, 128, "bf16"): 80,  # measured 56
+    ("dk_dv", 80, 128, "bf16"): 6160,  # measured 4928
+    ("dq", 80, 128, "bf16"): 320,  # measured 256
+    ("forward", 80, 128, "fp32"): 592,  # measured 472
+    ("dk_dv", 80, 128, "fp32"): 5024,  # measured 4008
+    ("dq", 80, 128, "fp32"): 1184,  # measured 944
+    ("forward", 90, 64, "bf16"): 64,  # measured 32
+    ("dk_dv", 90, 64, "bf16"): 624,  # measured 496
+    ("dq", 90, 64, "bf16"): 64,  # measured 32
+    ("forward", 90, 64, "fp32"): 64,  # measured 32
+    ("dk_dv", 90, 64, "fp32"): 464,  # measured 368
+    ("dq", 90, 64, "fp32"): 64,  # measured 32
+    ("forward", 90, 128, "bf16"): 192,  # measured 152
+    ("dk_dv", 90, 128, "bf16"): 2224,  # measured 1768
+    ("dq", 90, 128, "bf16"): 144,  # measured 104
+    ("forward", 90, 128, "fp32"): 640,  # measured 504
+    ("dk_dv", 90, 128, "fp32"): 4704,  # measured 3752
+    ("dq", 90, 128, "fp32"): 1120,  # measured 896
+}
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +108,6 @@ def test_registers_and_spills_within_documented_bounds(resources):
     bad = [
         r.line()
         for r in resources
-        if (r.kernel, r.head_dim, r.dtype) in SPILL_BOUND
-        and r.spill_bytes > SPILL_BOUND[(r.kernel, r.head_dim, r.dtype)]
+        if r.spill_bytes > SPILL_BOUND[(r.kernel, r.capability, r.head_dim, r.dtype)]
     ]
     assert not bad, "spills above the documented bound:\n" + "\n".join(bad)
