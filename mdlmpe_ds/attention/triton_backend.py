@@ -34,9 +34,10 @@ Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
   kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
   target's per-block limit) and ``benchmarks/bench_attention_gpu.py --compile-only``. The earlier
   default (tile 32, 3 stages) could not launch at d_h 128: 344 / 368 / 394 KiB of shared memory
-  (forward / dK-dV / dQ, sm_90, limit 227 KiB). Now tile 16, 8 warps, 1 stage (G = 1 for fp32 at
-  d_h 128, where G = 2 needs 172 KiB in dK/dV, over the A100's 163 KiB): every kernel fits; the
-  dK/dV kernel still spills (table in that test's output).
+  (forward / dK-dV / dQ, sm_90, limit 227 KiB). Now tile 16, 8 warps, 1 stage, maxnreg 255 (G = 1
+  for fp32 at d_h 128, where G = 2 needs 172 KiB in dK/dV, over the A100's 163 KiB): every kernel
+  fits, at most 140 KiB; the dK/dV kernel still spills 0.5-4.9 KiB per thread (table in that
+  test's output), the forward and dQ kernels at most 0.3 KiB at 16-bit.
 - GPU status: no GPU was lent when this was written; correctness is verified in the interpreter
   only. The transcendental work (angle, SiLU, tanh, sin) is paid once per (i, j) per program and
   shrinks as 1/G against the 6 FMAs per (head, i, j, m) of the correction itself. Next steps once
@@ -62,7 +63,7 @@ from mdlmpe_ds.attention.triton_launch import (
 from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
-# Launch settings (tile, heads per program, pair chunk, warps, stages) come from
+# Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
 # triton_launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
 # Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
 MAX_GPU_TILE = 64
