@@ -132,7 +132,8 @@ def method_triton(inp: dict, case: Case) -> torch.Tensor:
         tau_max=TAU_MAX,
         clip_kappa=CLIP_KAPPA,
         active_kv=inp["active"],
-        block_size=case.block_size,
+        # The kernel's own tile for this GPU, head size and dtype (triton_launch.launch_config):
+        # case.block_size is the blocked path's query block (128), above any GPU tile.
     )
 
 

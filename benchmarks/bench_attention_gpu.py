@@ -15,9 +15,12 @@ Run on a CUDA machine (exits with a message otherwise):
     python benchmarks/bench_attention_gpu.py
     python benchmarks/bench_attention_gpu.py --lengths 2048 --tile 16 --heads-per-program 8 --skip-blocked
     python benchmarks/bench_attention_gpu.py --json bench_gpu.json
-Without a GPU, ``--compile-only`` compiles the three kernels ahead of time for sm_90 (H100) at the
-chosen tile / heads-per-program / warps and prints registers and spill stack per thread
-(cuobjdump), e.g. ``--compile-only --tile 16 --heads-per-program 4 --num-warps 8``.
+Triton launch settings not given on the command line (tile, heads per program, pair chunk, warps,
+stages) are the backend's own (``triton_launch.launch_config`` for the head size, dtype and GPU).
+Without a GPU, ``--compile-only`` compiles the three kernels ahead of time for ``--arch`` (sm_90,
+H100, by default) with exactly those settings (``triton_aot.compile_kernel``, as the launcher
+would) and prints shared memory against the target's limit, registers and spill stack per thread
+(cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
 Targets (issue 8): Triton fwd+bwd <= 20x flash RoPE at L = 2048 (ideal ~13x), whole-step <= 2.3x,
 extra memory independent of L^2.
 """
@@ -25,13 +28,10 @@ extra memory independent of L^2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -52,11 +52,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=LLADA["kv_heads"])
     p.add_argument("--head-dim", type=int, default=LLADA["head_dim"])
     p.add_argument("--active-fraction", type=float, default=1.0, help="share of KV heads with MDLMPE")
-    p.add_argument("--tile", type=int, default=32, help="Triton row/key tile (mdlmpe.block_size)")
-    p.add_argument("--heads-per-program", type=int, default=2, help="Triton heads sharing alpha/beta")
-    p.add_argument("--pair-chunk", type=int, default=16, help="Triton MDLMPE pairs per alpha/beta chunk")
-    p.add_argument("--num-warps", type=int, default=None, help="Triton warps (default: the backend's)")
-    p.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90, no GPU needed")
+    # Triton launch settings: None = the backend's (triton_launch.launch_config).
+    p.add_argument("--tile", type=int, default=None, help="Triton row/key tile (mdlmpe.triton_tile)")
+    p.add_argument("--heads-per-program", type=int, default=None, help="Triton heads sharing alpha/beta")
+    p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
+    p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
+    p.add_argument("--num-stages", type=int, default=None, help="Triton software-pipelining stages")
+    p.add_argument("--max-registers", type=int, default=None, help="Triton maxnreg (registers/thread)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="q, k, v dtype")
+    p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--blocked-block", type=int, default=128, help="blocked path query block C")
     p.add_argument("--compile-blocked", action="store_true", help="torch.compile the blocked regions")
@@ -90,13 +94,13 @@ def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callab
     """One closure per method doing fwd + bwd on the same bf16 inputs (leaf grads reset each call)."""
     from mdlmpe_ds.attention.triton_backend import triton_attention
 
-    dev, bf16 = "cuda", torch.bfloat16
+    dev, dtype = "cuda", getattr(torch, args.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
     num_pairs = args.head_dim // 2
 
     def leaf(heads: int) -> torch.Tensor:
         x = torch.randn(args.batch, heads, length, args.head_dim, device=dev, generator=gen)
-        return x.to(bf16).requires_grad_()
+        return x.to(dtype).requires_grad_()
 
     q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
     D = torch.rand(args.batch, length, num_pairs, device=dev, generator=gen) + 0.5
@@ -107,7 +111,7 @@ def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callab
     active = max(1, round(args.active_fraction * args.kv_heads))
     active_kv = torch.zeros(args.kv_heads, dtype=torch.bool, device=dev)
     active_kv[:active] = True
-    grad = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    grad = torch.randn(q.shape, device=dev, generator=gen).to(dtype)
     leaves = (q, k, v, *mlp.parameters())
     common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active_kv)
 
@@ -136,10 +140,7 @@ def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callab
                 D,
                 mlp.params(),
                 **common,
-                block_size=args.tile,
-                heads_per_program=args.heads_per_program,
-                pair_chunk=args.pair_chunk,
-                **({} if args.num_warps is None else {"num_warps": args.num_warps}),
+                **launch_overrides(args),
             )
         ),
     }
@@ -186,89 +187,48 @@ def linear_parts(args: argparse.Namespace, length: int) -> dict[str, Callable[[]
     return {"linear_layer": layer, "lm_head": head}
 
 
-def compile_report(args: argparse.Namespace) -> list[dict[str, str]]:
-    """Compile the forward, dK/dV and dQ kernels for ``--arch`` (bf16 q/k/v, LLaDA head dims) and
-    read each cubin's resource usage: REG (registers per thread) and STACK (spill bytes per thread)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from mdlmpe_ds.attention import triton_backend as backend
-    from mdlmpe_ds.attention import triton_kernels as kern
-
-    num_pairs = args.head_dim // 2
-    nm = num_pairs // 2
-    hidden = max(16, nm)
-    pow2 = lambda n: backend._pow2(n, 16)  # noqa: E731
-    meta = dict(
-        REP=args.heads // args.kv_heads,
-        G=args.heads_per_program,
-        DH=args.head_dim,
-        DP=pow2(args.head_dim),
-        FP=pow2(num_pairs),
-        HP=pow2(hidden),
-        MC=min(pow2(nm), args.pair_chunk),
-        NC=math.ceil(nm / min(pow2(nm), args.pair_chunk)),
-        BM=args.tile,
-        BN=args.tile,
-        PREC="tf32",
-        UPCAST=False,
+def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The Triton launch settings given on the command line (the rest are the backend's)."""
+    given = dict(
+        block_size=args.tile,
+        heads_per_program=args.heads_per_program,
+        pair_chunk=args.pair_chunk,
+        num_warps=args.num_warps,
+        num_stages=args.num_stages,
+        max_registers=args.max_registers,
     )
-    ints, floats = {"L", "HQ", "HKV", "F", "HID", "NM"}, {"tau_max", "clip_kappa", "scale"}
-    warps = args.num_warps or backend.NUM_WARPS
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Compile the forward, dK/dV and dQ kernels for ``--arch`` with the launcher's settings for
+    ``--head-dim`` and ``--dtype`` (plus any given on the command line) and print each cubin's
+    shared memory (against the target's limit), registers and spill stack per thread."""
+    from mdlmpe_ds.attention.triton_aot import compile_kernel
+    from mdlmpe_ds.attention.triton_launch import KERNELS, launch_config
+
+    dtype = getattr(torch, args.dtype)
+    config = launch_config(args.head_dim, dtype, args.arch)
+    given = launch_overrides(args)
+    if "block_size" in given:
+        given["tile"] = given.pop("block_size")
+    config = dataclasses.replace(config, **given)
     rows = []
-    for name, fn, bf16 in (
-        ("forward", kern.mdlmpe_fwd_kernel, {"q", "k", "v", "o"}),
-        ("dk_dv", kern.mdlmpe_bwd_dkdv_kernel, {"q", "k", "v", "do_ptr"}),
-        ("dq", kern.mdlmpe_bwd_dq_kernel, {"q", "k", "v", "do_ptr"}),
-    ):
-        signature = {
-            n: "constexpr"
-            if n in meta
-            else "i32"
-            if n in ints
-            else "fp32"
-            if n in floats
-            else "*bf16"
-            if n in bf16
-            else "*fp32"
-            for n in fn.arg_names
-        }
-        start = time.time()
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta)
-        compiled = triton.compile(
-            src, target=GPUTarget("cuda", args.arch, 32), options=dict(num_warps=warps, num_stages=1)
-        )
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-            fh.write(compiled.asm["cubin"])
-            fh.flush()
-            usage = subprocess.run(
-                [cuobjdump, "-res-usage", fh.name], capture_output=True, text=True, check=True
-            )
-        line = next(ln.strip() for ln in usage.stdout.splitlines() if "REG:" in ln)
-        fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
-        rows.append(
-            {
-                "kernel": name,
-                "REG": fields["REG"],
-                "STACK": fields["STACK"],
-                "compile_s": f"{time.time() - start:.0f}",
-            }
-        )
-        print(
-            f"{name:<8} sm_{args.arch} tile={args.tile} G={args.heads_per_program} "
-            f"chunk={args.pair_chunk} warps={warps}: "
-            f"{fields['REG']} registers, {fields['STACK']} B spill stack per thread",
-            flush=True,
-        )
+    for kernel in KERNELS:
+        res = compile_kernel(kernel, args.head_dim, dtype, args.arch, config)
+        print(res.line(), flush=True)
+        rows.append(res.row())
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compile_only:
-        compile_report(args)
-        return 0
+        rows = compile_report(args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=2)
+        return 0 if all(r["fits"] for r in rows) else 1
     if not torch.cuda.is_available():
         print("bench_attention_gpu: needs a CUDA device (none visible); nothing measured", file=sys.stderr)
         return 2

@@ -1,14 +1,20 @@
-"""MDLMPE attention backends, chosen by ``MDLMPEConfig.backend`` and checked at build time.
+"""MDLMPE attention backends, chosen by ``MDLMPEConfig.backend`` and checked when resolved.
 
+- ``auto`` (the default): ``triton`` for CUDA tensors, ``blocked`` for any other device (the CPU);
+  the choice is made per call from the tensors' device (:func:`choose_backend`) and logged once
+  per (device type, backend).
 - ``reference``: materialises the pair tensor; the spec (tests, tiny inputs).
-- ``blocked``: query blocks of C rows, O(C L F) extra memory, per-block recomputation; the default.
-- ``triton``: fused GPU kernel (needs triton and a CUDA device, or TRITON_INTERPRET=1).
+- ``blocked``: query blocks of C rows, O(C L F) extra memory, per-block recomputation (eager or
+  compiled as ``compile`` says); the CPU path.
+- ``triton``: fused GPU kernel (needs triton and CUDA tensors, or TRITON_INTERPRET=1 in tests).
 
-No silent fallback: asking for a backend that cannot run here raises at build time.
+No silent fallback: a backend that cannot run here raises with the reason (``auto`` on a GPU
+without triton too), it is never swapped for another.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,6 +24,30 @@ from mdlmpe_ds.pe.config import ATTENTION_BACKENDS, MDLMPEConfig
 from mdlmpe_ds.pe.phase import PhaseParams
 
 AttentionFn = Callable[..., torch.Tensor]
+
+log = logging.getLogger(__name__)
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def choose_backend(name: str, device: torch.device | str, learned_coordinate: bool = False) -> str:
+    """The backend that runs configured backend ``name`` on tensors on ``device``.
+
+    Explicit names are returned as they are. ``auto`` is ``triton`` on CUDA (``blocked`` when the
+    coordinate is learned, ``coordinate='mlp'``: the fused kernel has no gradient for A, D) and
+    ``blocked`` on every other device. The choice is logged once per (device type, backend)."""
+    if name != "auto":
+        return name
+    kind = torch.device(device).type
+    if kind != "cuda":
+        chosen, why = "blocked", f"{kind} tensors (the eager / compiled PyTorch path)"
+    elif learned_coordinate:
+        chosen, why = "blocked", "CUDA tensors, but A, D need gradients (coordinate='mlp')"
+    else:
+        chosen, why = "triton", "CUDA tensors (fused kernel)"
+    if (kind, chosen) not in _ANNOUNCED:
+        _ANNOUNCED.add((kind, chosen))
+        log.info("mdlmpe attention backend 'auto' -> %r for %s", chosen, why)
+    return chosen
 
 
 def resolve_backend(name: str) -> AttentionFn:
@@ -35,6 +65,8 @@ def resolve_backend(name: str) -> AttentionFn:
 
         check_triton_available()
         return triton_attention
+    if name == "auto":
+        raise ValueError("attention backend 'auto' depends on the tensors' device: use choose_backend first")
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
 
 
@@ -54,11 +86,12 @@ def mdlmpe_attention(
     """MDLMPE attention through the configured backend. With no active head it is plain RoPE SDPA."""
     if active_kv is not None and not bool(active_kv.any()):
         return rope_attention(q, k, v, key_valid, scale)
-    fn = resolve_backend(config.backend)
+    backend = choose_backend(config.backend, q.device, A.requires_grad or D.requires_grad)
+    fn = resolve_backend(backend)
     kwargs = {}
-    if config.backend == "triton":
+    if backend == "triton":
         kwargs["block_size"] = config.triton_tile
-    if config.backend == "blocked":
+    if backend == "blocked":
         kwargs["block_size"] = config.block_size
         kwargs["checkpoint"] = config.checkpoint_blocks
         kwargs["compile"] = config.compile
@@ -78,4 +111,4 @@ def mdlmpe_attention(
     )
 
 
-__all__ = ["mdlmpe_attention", "resolve_backend", "rope_attention"]
+__all__ = ["choose_backend", "mdlmpe_attention", "resolve_backend", "rope_attention"]

@@ -22,10 +22,11 @@ are plain RoPE SDPA over the whole sequence.
 
 Eager (the default) runs region 1 and E through autograd Functions with hand-written backward
 passes (:class:`PairCoefficients`, :class:`PairCorrection`) that keep few intermediates and make
-few passes over the [rows, width, L] tensors, and caps its blocks at the rows that keep those
-tensors in the per-core L2 cache (:func:`_cache_rows`; C is then an upper bound): on CPU a pass
-from L2 is ~4x faster than from L3, and a block's recompute is still cached when its backward
-runs. Measured at L = 1024, toy layer: ~0.6 KB of extra memory per (i, j) of a C = 128 block.
+few passes over the [rows, width, L] tensors, and on the CPU caps its blocks at the rows that
+keep those tensors in the per-core L2 cache (:func:`_cache_rows`; C is then an upper bound): there
+a pass from L2 is ~4x faster than from L3, and a block's recompute is still cached when its
+backward runs. On other devices (GPU) blocks keep C rows (:func:`caps_block_rows`): each op is a
+kernel launch. Measured at L = 1024, toy layer: ~0.6 KB of extra memory per (i, j) of a C = 128 block.
 ``compile=True`` (with ``checkpoint``, the default) runs each block as one
 flash-style autograd Function of :mod:`mdlmpe_ds.attention.blocked_fused` instead: torch.compile
 graphs for region 1, its hand-derived backward, and region 2 forward / backward; a block keeps
@@ -328,12 +329,29 @@ def _cache_rows(batch: int, width: int, length: int) -> int:
     return max(8, EAGER_SLICE_BYTES // (4 * batch * max(width, 1) * length))
 
 
+def caps_block_rows(device: torch.device) -> bool:
+    """Whether the eager path caps its blocks at a cache-sized slice on ``device``: on the CPU only.
+
+    The cap trades kernel launches for L2 hits; on a GPU every op is a kernel launch (~3,600 aten
+    ops per 8-row block at 32 heads, PERF.md), so there blocks keep ``block_size`` rows."""
+    return torch.device(device).type == "cpu"
+
+
 def eager_block_rows(
-    block_size: int, batch: int, length: int, num_pairs: int, hidden_width: int, num_heads: int
+    block_size: int,
+    batch: int,
+    length: int,
+    num_pairs: int,
+    hidden_width: int,
+    num_heads: int,
+    device: torch.device | str = "cpu",
 ) -> int:
-    """Query rows per block of the eager path: ``block_size`` capped at the cache-sized slice of
-    :func:`_cache_rows`, whose width is the widest per-pair axis of the block (F, the phase MLP's
-    hidden size, 2|M|, or the ``num_heads`` query heads that take the pair path)."""
+    """Query rows per block of the eager path on ``device``: on the CPU, ``block_size`` capped at the
+    cache-sized slice of :func:`_cache_rows`, whose width is the widest per-pair axis of the block
+    (F, the phase MLP's hidden size, 2|M|, or the ``num_heads`` query heads that take the pair
+    path); elsewhere ``block_size`` (:func:`caps_block_rows`)."""
+    if not caps_block_rows(device):
+        return block_size
     width = max(num_pairs, hidden_width, 2 * len(mdlmpe_pairs(num_pairs)), num_heads)
     return min(block_size, _cache_rows(batch, width, length))
 
@@ -414,7 +432,7 @@ def blocked_attention(
     ``active_kv`` [Hkv] bool (None: all heads); ``key_valid`` [B, L] bool. Returns [B, Hq, L, d_h]
     in q's dtype. ``checkpoint`` recomputes each block in backward (O(C L F) live memory instead
     of O(L^2 F) saved); ``compile`` runs the two regions through torch.compile (same numbers).
-    Eager blocks have at most ``_cache_rows`` rows (module docstring).
+    Eager blocks on the CPU have at most ``_cache_rows`` rows (module docstring).
     """
     _check_inputs(q, k, v, A, D, phase, active_kv, key_valid, block_size)
     num_heads, head_dim = q.shape[1], q.shape[3]
@@ -527,9 +545,10 @@ def _pair_path(
             return attend(q_rows, kf, vf, ka, kb, alpha, beta, bias, pair_dims, scale, not compile)
 
     if not compile:
-        # Eager blocks are at most cache-sized: every elementwise pass then runs from L2, and a
-        # block's recompute is still in cache when its backward reads it.
-        block_size = eager_block_rows(block_size, batch, length, num_pairs, phase.w1.shape[0], num_heads)
+        # Eager blocks on the CPU are at most cache-sized: every elementwise pass then runs from L2,
+        # and a block's recompute is still in cache when its backward reads it.
+        hidden_width = phase.w1.shape[0]
+        block_size = eager_block_rows(block_size, batch, length, num_pairs, hidden_width, num_heads, q.device)
     outputs = []
     for start, first_new in _block_starts(length, block_size, aligned=compile):
         rows = slice(start, min(start + block_size, length))

@@ -29,35 +29,42 @@ Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
   path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
   inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
   wrong in triton 3.9; the upcast is exact).
+- Launch settings: ``triton_launch.launch_config(d_h, dtype, capability)``, one function used by
+  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles all three
+  kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
+  target's per-block limit) and ``benchmarks/bench_attention_gpu.py --compile-only``. The earlier
+  default (tile 32, 3 stages) could not launch at d_h 128: 344 / 368 / 394 KiB of shared memory
+  (forward / dK-dV / dQ, sm_90, limit 227 KiB). Now tile 16, 8 warps, 1 stage, maxnreg 255 (G = 1
+  for fp32 at d_h 128, where G = 2 needs 172 KiB in dK/dV, over the A100's 163 KiB): every kernel
+  fits, at most 140 KiB; the dK/dV kernel still spills 0.5-4.9 KiB per thread (table in that
+  test's output), the forward and dQ kernels at most 0.3 KiB at 16-bit.
 - GPU status: no GPU was lent when this was written; correctness is verified in the interpreter
-  only. The three kernels do compile ahead of time for sm_90 (``benchmarks/bench_attention_gpu.py
-  --compile-only``, no GPU needed); at LLaDA dims (d_h 128, |M| 32), block_size 16, G = 2,
-  pair_chunk 16, 8 warps they hit the 255-register cap and spill 232 B (forward), 1752 B (dK/dV)
-  and 272 B (dQ) per thread, so expect the dK/dV kernel to be the slow one. The transcendental
-  work (angle, SiLU, tanh, sin) is paid once per (i, j) per program and shrinks as 1/G against
-  the 6 FMAs per (head, i, j, m) of the correction itself. Next steps once measured: sweep
-  block_size / G / pair_chunk / num_warps with the benchmark, split dK/dV from the phase-MLP
-  gradients if its spills dominate, fuse dQ into the dK/dV pass with atomics.
+  only. The transcendental work (angle, SiLU, tanh, sin) is paid once per (i, j) per program and
+  shrinks as 1/G against the 6 FMAs per (head, i, j, m) of the correction itself. Next steps once
+  measured: sweep block_size / G / pair_chunk / num_warps with the benchmark, split dK/dV from the
+  phase-MLP gradients if its spills dominate, fuse dQ into the dK/dV pass with atomics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import torch
 
 from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.attention.triton_launch import (
+    LaunchConfig,
+    device_capability,
+    kernel_constexprs,
+    launch_config,
+)
 from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
-# Query heads per program sharing one alpha/beta tile (rounded down to a power-of-2 divisor of Hq).
-# 2: at LLaDA dims 4 spills 4x more in the forward (sm_90 AOT compile, module docstring).
-HEADS_PER_PROGRAM = 2
-# MDLMPE pairs per alpha/beta chunk: the live pair tiles are [BM, BN, PAIR_CHUNK].
-PAIR_CHUNK = 16
-# Warps per program: 8 spreads the [BM, BN, |M|] pair tiles over 256 threads (fewer spills).
-NUM_WARPS = 8
+# Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
+# triton_launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
 # Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
 MAX_GPU_TILE = 64
 
@@ -82,55 +89,33 @@ def check_triton_available() -> None:
         )
 
 
-def _pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, (n - 1).bit_length()))
-
-
-def _heads_per_program(num_heads: int, cap: int) -> int:
-    g = 1
-    while g * 2 <= cap and num_heads % (g * 2) == 0:
-        g *= 2
-    return g
-
-
 class _Plan:
     """Static launch parameters shared by the three kernels of one call."""
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        w1: torch.Tensor,
-        tile: int,
-        heads: int,
-        chunk: int,
-        warps: int,
-    ) -> None:
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> None:
         batch, self.num_heads, self.length, self.head_dim = q.shape
         self.num_kv = k.shape[1]
         self.num_pairs = self.head_dim // 2
         self.hidden = w1.shape[0]
         self.num_mdlmpe = len(mdlmpe_pairs(self.num_pairs))
-        floor = 1 if _interpreting() else 16  # GPU tile products need every dim >= 16
-        self.tile = tile
-        self.group = _heads_per_program(self.num_heads, heads)
+        self.tile = config.tile
+        self.meta = kernel_constexprs(
+            num_heads=self.num_heads,
+            num_kv=self.num_kv,
+            head_dim=self.head_dim,
+            hidden=self.hidden,
+            num_mdlmpe=self.num_mdlmpe,
+            dtype=q.dtype,
+            tile=config.tile,
+            heads=config.heads_per_program,
+            chunk=config.pair_chunk,
+            interpreting=_interpreting(),
+        )
+        self.group = self.meta["G"]
         self.rows = batch * (self.num_heads // self.group)
-        self.num_tiles = math.ceil(self.length / tile)
-        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        self.meta = dict(
-            REP=self.num_heads // self.num_kv,
-            G=self.group,
-            DH=self.head_dim,
-            DP=_pow2(self.head_dim, floor),
-            FP=_pow2(self.num_pairs, floor),
-            HP=_pow2(self.hidden, floor),
-            MC=min(_pow2(self.num_mdlmpe, floor), chunk),
-            NC=math.ceil(self.num_mdlmpe / min(_pow2(self.num_mdlmpe, floor), chunk)),
-            BM=tile,
-            BN=tile,
-            PREC=self.precision,
-            UPCAST=_interpreting(),
-            num_warps=warps,
+        self.num_tiles = math.ceil(self.length / config.tile)
+        self.meta.update(
+            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers
         )
 
     def dims(self) -> tuple[int, ...]:
@@ -141,12 +126,10 @@ class _MDLMPEAttention(torch.autograd.Function):
     """All heads active. Inputs contiguous; phase tensors fp32; kbias [B, L] fp32."""
 
     @staticmethod
-    def forward(
-        ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, tile, heads, chunk, warps
-    ):
+    def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config):
         from mdlmpe_ds.attention import triton_kernels as kern
 
-        plan = _Plan(q, k, w1, tile, heads, chunk, warps)
+        plan = _Plan(q, k, w1, config)
         out = torch.empty_like(q)
         row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         row_sum = torch.empty_like(row_max)
@@ -230,9 +213,9 @@ class _MDLMPEAttention(torch.autograd.Function):
         rep = num_heads // plan.num_kv
         dk = dk.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
         dv = dv.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
-        # One entry per forward input: q, k, v, A, D, W1, b1, W2, b2, then 8 non-tensor settings.
+        # One entry per forward input: q, k, v, A, D, W1, b1, W2, b2, then kbias and 4 settings.
         grads_in = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
-        return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 8)
+        return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 5)
 
 
 def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
@@ -262,7 +245,7 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int)
     if not _interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
         raise ValueError(
             f"triton_attention: block_size={block_size} (mdlmpe.triton_tile) must be in [16, {MAX_GPU_TILE}] "
-            "on a GPU; the correction tile lives in registers (16 or 32 to start)"
+            "on a GPU; the correction tile lives in registers (None picks the one that fits)"
         )
     if phase.w1.shape[1] != head_dim // 2 or phase.w2.shape[0] != len(mdlmpe_pairs(head_dim // 2)):
         raise ValueError(
@@ -271,12 +254,34 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int)
         )
 
 
-def _fused(
-    q, k, v, A, D, phase: PhaseParams, kbias, tau_max, clip_kappa, scale, block_size, heads, chunk, warps
-):
+def _fused(q, k, v, A, D, phase: PhaseParams, kbias, tau_max, clip_kappa, scale, config: LaunchConfig):
     tensors = (q, k, v, A.float(), D.float(), *(p.float() for p in phase), kbias)
-    settings = (float(tau_max), float(clip_kappa), float(scale), block_size, heads, chunk, warps)
+    settings = (float(tau_max), float(clip_kappa), float(scale), config)
     return _MDLMPEAttention.apply(*(t.contiguous() for t in tensors), *settings)
+
+
+def resolve_launch(
+    q: torch.Tensor,
+    block_size: int | None = None,
+    heads_per_program: int | None = None,
+    pair_chunk: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    max_registers: int | None = None,
+) -> LaunchConfig:
+    """The launch settings of a call: :func:`triton_launch.launch_config` for q's head size, dtype and
+    GPU (sm_90's in the interpreter), with any setting given explicitly taking its place."""
+    capability = 90 if q.device.type != "cuda" else device_capability(q.device)
+    config = launch_config(q.shape[-1], q.dtype, capability)
+    explicit = dict(
+        tile=block_size,
+        heads_per_program=heads_per_program,
+        pair_chunk=pair_chunk,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        max_registers=max_registers,
+    )
+    return dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
 
 
 def triton_attention(
@@ -292,29 +297,38 @@ def triton_attention(
     active_kv: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
     scale: float | None = None,
-    block_size: int = 32,
-    heads_per_program: int = HEADS_PER_PROGRAM,
-    pair_chunk: int = PAIR_CHUNK,
-    num_warps: int = NUM_WARPS,
+    block_size: int | None = None,
+    heads_per_program: int | None = None,
+    pair_chunk: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. app_pair_phase).
 
     q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated); A, D [B, L, F] fp32 (no grad);
     ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row
     and key tile edge; ``heads_per_program``, ``pair_chunk`` (MDLMPE pairs per alpha/beta chunk, a
-    power of 2, >= 16 on a GPU) and ``num_warps`` are GPU tuning knobs (module docstring).
+    power of 2, >= 16 on a GPU), ``num_warps`` and ``num_stages`` are GPU tuning knobs; each one
+    left None comes from ``triton_launch.launch_config`` (the settings checked to fit the GPU).
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()
-    _check_inputs(q, k, v, A, D, phase, key_valid, block_size)
-    if pair_chunk < 1 or pair_chunk & (pair_chunk - 1) or (pair_chunk < 16 and not _interpreting()):
-        raise ValueError(f"triton_attention: pair_chunk={pair_chunk} must be a power of 2 (>= 16 on a GPU)")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"mdlmpe backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
+            "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
+        )
+    config = resolve_launch(q, block_size, heads_per_program, pair_chunk, num_warps, num_stages)
+    _check_inputs(q, k, v, A, D, phase, key_valid, config.tile)
+    chunk = config.pair_chunk
+    if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
+        raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")
     batch, num_heads, length, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
     if key_valid is not None:
         kbias.masked_fill_(~key_valid.bool(), torch.finfo(torch.float32).min)
-    args = (tau_max, clip_kappa, scale, block_size, heads_per_program, pair_chunk, num_warps)
+    args = (tau_max, clip_kappa, scale, config)
     if active_kv is None or bool(active_kv.all()):
         return _fused(q, k, v, A, D, phase, kbias, *args)
     if not bool(active_kv.any()):

@@ -90,7 +90,7 @@ class ModelConfig:
         """Whether layer checkpointing keeps the attention out of its recomputed segment (see
         ``recompute_mdlmpe_attention``): only for MDLMPE paths whose memory is already O(C L) or O(L)."""
         m = self.mdlmpe
-        self_managed = m.backend == "triton" or (m.backend == "blocked" and m.checkpoint_blocks)
+        self_managed = m.backend == "triton" or (m.backend in ("blocked", "auto") and m.checkpoint_blocks)
         return self.position_encoding == "mdlmpe" and self_managed and not self.recompute_mdlmpe_attention
 
     def validate(self) -> ModelConfig:

@@ -9,9 +9,8 @@ embedding is applied when ALiBi is selected.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from mdlmpe_ds.attention.common import repeat_kv
+from mdlmpe_ds.attention.common import grouped_sdpa
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -47,13 +46,8 @@ def alibi_bias(
 def alibi_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Bidirectional SDPA with the ALiBi bias. q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated)."""
-    num_heads = q.shape[1]
-    return F.scaled_dot_product_attention(
-        q,
-        repeat_kv(k, num_heads),
-        repeat_kv(v, num_heads),
-        attn_mask=bias.to(q.dtype),
-        is_causal=False,
-        scale=scale,
-    )
+    """Bidirectional SDPA with the ALiBi bias. q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated).
+
+    The fp32 bias is clamped to q's dtype range before the cast: finfo(float32).min on padded keys
+    would become -inf in bf16 / fp16 (NaN rows)."""
+    return grouped_sdpa(q, k, v, bias.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale)

@@ -8,6 +8,8 @@ convolution with the 2W+1 tap kernel, O(L * W * F).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -64,13 +66,55 @@ def sine_basis(seq_len: int, head_dim: int, theta: float, device: torch.device |
     return _sine_basis_cpu(int(seq_len), int(head_dim), float(theta)).to(device)
 
 
+@contextmanager
+def exact_fp32_convolution() -> Iterator[None]:
+    """cuDNN convolutions in IEEE fp32 inside the block, whatever the global setting.
+
+    PyTorch lets cuDNN run fp32 convolutions in TF32 on Ampere and later GPUs by default
+    (``torch.backends.cudnn.conv.fp32_precision == "tf32"``): a 10-bit mantissa, ~1e-3 relative
+    error in A and D, which the spec defines in fp32 (SPEC §2). Only this module's banded sums are
+    affected; the previous setting is restored on exit. A no-op on the CPU (no TF32 there).
+    """
+    conv = torch.backends.cudnn.conv
+    saved = conv.fp32_precision
+    conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        conv.fp32_precision = saved
+
+
 def _banded_sum(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """y_{., i} = sum_{|d| <= W} taps[d] * x_{., i+d}, zero outside [0, L). x: [N, L] -> [N, L]."""
     window = (taps.numel() - 1) // 2
     if window == 0:
         return x * taps[0]
-    # conv1d is a cross-correlation; the taps are symmetric so it equals the convolution.
-    return F.conv1d(x.unsqueeze(1), taps.view(1, 1, -1), padding=window).squeeze(1)
+    return _BandedSum.apply(x, taps)
+
+
+class _BandedSum(torch.autograd.Function):
+    """The banded sum as a 1-D cross-correlation (conv1d; the taps are symmetric, so it equals the
+    convolution), forward and backward in exact fp32: autograd's own conv backward would run
+    outside :func:`exact_fp32_convolution` and use TF32 (A, D carry gradients with the learned
+    coordinate). The taps are constants (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(taps)
+        return _correlate(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (taps,) = ctx.saved_tensors
+        # d y_i / d x_j = taps[j - i + W]: the adjoint is the correlation with the reversed taps.
+        return _correlate(grad, taps.flip(0)), None
+
+
+def _correlate(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """y_i = sum_d taps[d] x_{i + d - W} with zero padding, in IEEE fp32. [N, L] -> [N, L]."""
+    window = (taps.numel() - 1) // 2
+    with exact_fp32_convolution():
+        return F.conv1d(x.unsqueeze(1), taps.view(1, 1, -1), padding=window).squeeze(1)
 
 
 def token_summaries(

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 COORDINATES = ("sine", "mlp", "none")
-ATTENTION_BACKENDS = ("reference", "blocked", "triton")
+# "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
+# call from the tensors' device and logged (attention.choose_backend).
+ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton")
 
 
 # How the attention is computed, not what it computes (every backend gives the spec's numbers): a
@@ -48,11 +50,12 @@ class MDLMPEConfig:
     coordinate: str = "sine"
     use_embedding: bool = True
     # --- attention implementation ---
-    backend: str = "blocked"
+    backend: str = "auto"
     block_size: int = 128
-    # Query/key tile of the fused Triton kernel: a power of 2, at most 64 (on a GPU at least 16;
-    # 16-32 at d_h = 128). Separate from block_size, the blocked path's query block.
-    triton_tile: int = 32
+    # Query/key tile of the fused Triton kernel: a power of 2, at most 64 (on a GPU at least 16).
+    # None: the tile that fits the GPU for the head size and dtype
+    # (attention.triton_launch.launch_config). Separate from block_size, the blocked path's block.
+    triton_tile: int | None = None
     # torch.compile the blocked path's two regions (a switch; eager gives the same numbers).
     compile: bool = False
     # Per-block activation checkpointing in the blocked path (recompute pair phases in backward).
@@ -84,8 +87,9 @@ class MDLMPEConfig:
             raise bad("backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.block_size < 1:
             raise bad("block_size", "must be >= 1")
-        if not (1 <= self.triton_tile <= 64 and self.triton_tile & (self.triton_tile - 1) == 0):
-            raise bad("triton_tile", "must be a power of 2 no larger than 64")
+        tile = self.triton_tile
+        if tile is not None and not (1 <= tile <= 64 and tile & (tile - 1) == 0):
+            raise bad("triton_tile", "must be None (per GPU) or a power of 2 no larger than 64")
         return self
 
     @property

@@ -1,6 +1,9 @@
 """The compiled Triton MDLMPE kernel on a CUDA device: bf16 parity with the reference, no NaN at L=4096.
 
-Skipped cleanly without CUDA (the interpreter-mode parity in tests/unit runs everywhere).
+Skipped cleanly without CUDA (the interpreter-mode parity in tests/unit runs everywhere). Every
+call uses the backend's own launch settings (triton_launch.launch_config for the device, head
+size and dtype), the ones tests/unit/test_triton_resources.py compiles for sm_80 and sm_90; the
+config-driven entry point (backend 'auto' on CUDA tensors) is checked to reach the kernel.
 Tolerances (relative Frobenius error against the fp32 reference fed the same bf16 inputs): the
 kernel computes in fp32 but uses TF32 tile products for 16-bit inputs (10-bit mantissa, ~5e-4
 relative per product) and rounds O and dq/dk/dv to bf16 (2^-9 relative): 1e-2 on O and input
@@ -75,10 +78,22 @@ def test_parity_with_reference(dtype, tol_io, tol_mlp):
     grad_out = torch.randn(q.shape, device="cuda")
     kwargs = dict(active_kv=active_kv, key_valid=key_valid)
     want = _grads(reference_attention, mlp, q, k, v, A, D, grad_out, **kwargs)
-    got = _grads(triton_attention, mlp, q, k, v, A, D, grad_out, block_size=32, **kwargs)
+    got = _grads(triton_attention, mlp, q, k, v, A, D, grad_out, **kwargs)
     errors = {n: _rel(g, w) for n, g, w in zip(GRADS, got, want)}
     bad = {n: e for n, e in errors.items() if e > (tol_io if n in GRADS[:4] else tol_mlp)}
     assert not bad, f"{dtype}: relative errors above tolerance: {bad} (all: {errors})"
+
+
+def test_auto_backend_on_cuda_is_the_kernel():
+    """The default config (backend 'auto') runs the fused kernel on CUDA tensors: same output."""
+    from mdlmpe_ds.attention import mdlmpe_attention
+    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.pe.config import MDLMPEConfig
+
+    mlp, q, k, v, A, D = _layer(1, 4, 2, 96, 128, torch.bfloat16)
+    got = mdlmpe_attention(q, k, v, A, D, mlp.params(), MDLMPEConfig())
+    want = triton_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4)
+    assert torch.equal(got, want)
 
 
 def test_zero_initialised_phase_is_flash_rope():
@@ -86,7 +101,7 @@ def test_zero_initialised_phase_is_flash_rope():
     from mdlmpe_ds.attention.triton_backend import triton_attention
 
     mlp, q, k, v, A, D = _layer(1, 4, 4, 256, 128, torch.bfloat16, zero_fc2=True)
-    out = triton_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4, block_size=32)
+    out = triton_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4)
     assert _rel(out.float(), rope_attention(q, k, v).float()) < 1e-2
 
 
@@ -107,7 +122,6 @@ def test_no_nan_at_4096():
         D,
         torch.randn(q.shape, device="cuda"),
         key_valid=key_valid,
-        block_size=32,
     )
     bad = [n for n, t in zip(GRADS, got) if not bool(torch.isfinite(t).all())]
     assert not bad, f"non-finite values in {bad}"

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mdlmpe_ds.attention import blocked, blocked_fused
 from mdlmpe_ds.attention.blocked import PairCoefficients, PairCorrection, blocked_attention, pair_correction
@@ -492,3 +493,51 @@ def test_compiled_flash_blocks_match_reference():
         torch.testing.assert_close(out, ref, **TOL)
         for got, want in zip(_grads(out, leaves), _grads(ref, leaves)):
             torch.testing.assert_close(got, want, **TOL)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched (each one a kernel launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_block_row_cap_is_cpu_only():
+    """The L2-sized row cap (8 rows at L = 1024, d_h 128) is a CPU tuning: other devices keep C."""
+    shape = dict(block_size=128, batch=1, length=1024, num_pairs=64, hidden_width=32, num_heads=32)
+    assert blocked.eager_block_rows(**shape, device=torch.device("cpu")) == 8
+    assert blocked.eager_block_rows(**shape, device=torch.device("cuda")) == 128
+    assert blocked.eager_block_rows(**shape, device=torch.device("meta")) == 128
+
+
+def test_default_path_off_cpu_is_not_launch_bound():
+    """Ops dispatched by one MDLMPE layer through the default config (backend 'auto') on a non-CPU
+    device, fwd + bwd, LLaDA-like heads (32 heads, d_h 128) at L = 1024. Meta tensors (shapes only,
+    no arithmetic) stand in for a GPU: 'auto' picks the blocked path for them, which must not apply
+    the CPU's 8-row cap. With 128-row blocks one block dispatches ~3,600 ops (the per-head loops of
+    PairCorrection), 8 blocks ~29,000; the capped path ran 128 blocks, ~460,000 ops. Bound: 40,000."""
+    from mdlmpe_ds.attention import mdlmpe_attention
+    from mdlmpe_ds.pe.config import MDLMPEConfig
+
+    heads, length, head_dim = 32, 1024, 128
+
+    def leaf(*shape):
+        return torch.empty(*shape, device="meta", requires_grad=True)
+
+    q, k, v = (
+        leaf(1, heads, length, head_dim),
+        leaf(1, heads, length, head_dim),
+        leaf(1, heads, length, head_dim),
+    )
+    A = torch.empty(1, length, head_dim // 2, device="meta")
+    mlp = PhaseMLP(head_dim // 2, 32, device="meta")
+    with _CountOps() as ops:
+        out = mdlmpe_attention(q, k, v, A, A, mlp.params(), MDLMPEConfig())
+        out.sum().backward()
+    assert q.grad is not None and mlp.fc1.weight.grad is not None
+    assert ops.count <= 40_000, f"{ops.count} aten ops for one layer (launch-bound on a GPU)"

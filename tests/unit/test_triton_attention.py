@@ -169,5 +169,52 @@ def test_rejects_learned_coordinate_gradients(monkeypatch):
         triton_attention(q, k, v, A, A.detach(), PhaseMLP(4, 16).params(), tau_max=0.25, clip_kappa=1e-4)
 
 
+def test_auto_backend_is_triton_on_cuda_blocked_elsewhere(caplog):
+    """'auto' picks by the tensors' device, says so in the log, and leaves explicit names alone."""
+    from mdlmpe_ds.attention import _ANNOUNCED, choose_backend
+
+    _ANNOUNCED.clear()
+    with caplog.at_level("INFO", logger="mdlmpe_ds.attention"):
+        assert choose_backend("auto", torch.device("cuda")) == "triton"
+        assert choose_backend("auto", torch.device("cuda", 1)) == "triton"
+        assert choose_backend("auto", torch.device("cuda"), learned_coordinate=True) == "blocked"
+        assert choose_backend("auto", torch.device("cpu")) == "blocked"
+    assert "'auto' -> 'triton'" in caplog.text and "'auto' -> 'blocked' for cpu" in caplog.text
+    assert caplog.text.count("'auto' -> 'triton'") == 1  # once per (device type, backend)
+    for name in ("reference", "blocked", "triton"):
+        assert choose_backend(name, torch.device("cpu")) == name
+    assert MDLMPEConfig().backend == "auto" and MDLMPEConfig().triton_tile is None
+
+
+def test_auto_on_cpu_runs_the_blocked_path(monkeypatch):
+    from mdlmpe_ds.attention import blocked
+
+    calls = []
+    real = blocked.blocked_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blocked, "blocked_attention", spy)
+    q = k = v = torch.randn(1, 2, 6, 8)
+    D = torch.rand(1, 6, 4) + 0.5
+    mdlmpe_attention(q, k, v, D / 2, D, PhaseMLP(4, 16).params(), MDLMPEConfig())
+    assert len(calls) == 1 and calls[0]["block_size"] == 128 and calls[0]["checkpoint"]
+
+
+def test_explicit_triton_on_cpu_tensors_is_an_error(monkeypatch):
+    """Asked for by name, the kernel refuses CPU tensors (outside the interpreter) instead of failing
+    deep inside a launch."""
+    from mdlmpe_ds.attention.triton_backend import triton_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, CPU tensors
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    D = torch.ones(1, 4, 4)
+    with pytest.raises(ValueError, match="got cpu tensors"):
+        triton_attention(q, k, v, D, D, PhaseMLP(4, 16).params(), tau_max=0.25, clip_kappa=1e-4)
+
+
 if __name__ == "__main__":
     print(json.dumps({name: _run_case(name) for name in sys.argv[1:]}))

@@ -1,0 +1,190 @@
+"""Ahead-of-time compiles of the fused MDLMPE kernels for a GPU target, without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`` builds the real cubin
+on a CPU-only machine (triton ships ptxas and cuobjdump). From it: the shared memory the launch
+will request (``metadata.shared``; Triton raises OutOfResources at launch above the device's
+per-block maximum, ``triton_launch.SHARED_MEMORY_LIMIT``), and from ``cuobjdump -res-usage`` the
+registers per thread and the spill stack (bytes of local memory per thread).
+
+The compile uses exactly what the launcher passes (``triton_launch.launch_config`` and
+``kernel_constexprs``; pointers 16-byte aligned, as torch allocations are), at LLaDA-like dims:
+query heads = KV heads, phase MLP hidden width max(16, F / 2). Used by
+tests/unit/test_triton_resources.py and ``benchmarks/bench_attention_gpu.py --compile-only``.
+Importing this module imports triton (compiler mode unless TRITON_INTERPRET=1 is set).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mdlmpe_ds.attention.triton_launch import (
+    SHARED_MEMORY_LIMIT,
+    LaunchConfig,
+    kernel_constexprs,
+    launch_config,
+)
+from mdlmpe_ds.pe.phase import mdlmpe_pairs
+
+_INTS = {"L", "HQ", "HKV", "F", "HID", "NM"}
+_FLOATS = {"tau_max", "clip_kappa", "scale"}
+# Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32.
+_MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr"}
+_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What one compiled kernel needs per block / thread on its target."""
+
+    kernel: str
+    capability: int
+    head_dim: int
+    dtype: str
+    config: LaunchConfig
+    shared_bytes: int
+    shared_limit: int
+    registers: int
+    spill_bytes: int
+    compile_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= self.shared_limit
+
+    def row(self) -> dict[str, object]:
+        out = asdict(self)
+        out["config"] = asdict(self.config)
+        out["fits"] = self.fits
+        return out
+
+    def line(self) -> str:
+        c = self.config
+        return (
+            f"{self.kernel:<8} sm_{self.capability} d_h={self.head_dim:<4} {self.dtype:<5} "
+            f"tile={c.tile} G={c.heads_per_program} chunk={c.pair_chunk} warps={c.num_warps} "
+            f"stages={c.num_stages} maxnreg={c.max_registers}: "
+            f"shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
+            f"({'fits' if self.fits else 'OVER'}), {self.registers} registers, "
+            f"{self.spill_bytes} B spill/thread ({self.compile_s:.0f} s)"
+        )
+
+
+def _kernel_fn(name: str):
+    from mdlmpe_ds.attention import triton_kernels as kern
+
+    return {
+        "forward": kern.mdlmpe_fwd_kernel,
+        "dk_dv": kern.mdlmpe_bwd_dkdv_kernel,
+        "dq": kern.mdlmpe_bwd_dq_kernel,
+    }[name]
+
+
+def cuobjdump_path() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """``cuobjdump -res-usage`` of a cubin: {"REG": registers/thread, "STACK": spill bytes/thread, ...}."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        out = subprocess.run(
+            [cuobjdump_path(), "-res-usage", fh.name], capture_output=True, text=True, check=True
+        ).stdout
+    line = next((ln for ln in out.splitlines() if "REG:" in ln), None)
+    if line is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no resource line:\n{out}")
+    return {k: int(v) for k, v in (item.split(":", 1) for item in line.split() if ":" in item) if v.isdigit()}
+
+
+def compile_kernel(
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: int,
+    config: LaunchConfig | None = None,
+) -> KernelResources:
+    """Compile ``kernel`` ("forward", "dk_dv" or "dq") for sm_``capability`` with the launch settings
+    the launcher would use (``config`` overrides them, for sweeps) and read its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    config = config or launch_config(head_dim, dtype, capability)
+    num_pairs = head_dim // 2
+    meta = kernel_constexprs(
+        num_heads=32,
+        num_kv=32,
+        head_dim=head_dim,
+        hidden=max(16, num_pairs // 2),
+        num_mdlmpe=len(mdlmpe_pairs(num_pairs)),
+        dtype=dtype,
+        tile=config.tile,
+        heads=config.heads_per_program,
+        chunk=config.pair_chunk,
+        interpreting=False,
+    )
+    fn = _kernel_fn(kernel)
+    model_dtype = _TRITON_DTYPES[dtype]
+    signature = {}
+    for name in fn.arg_names:
+        if name in meta:
+            signature[name] = "constexpr"
+        elif name in _INTS:
+            signature[name] = "i32"
+        elif name in _FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = f"*{model_dtype if name in _MODEL_DTYPE_POINTERS else 'fp32'}"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n][0] == "*"}
+    start = time.perf_counter()
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=aligned)
+    compiled = triton.compile(
+        source,
+        target=GPUTarget("cuda", capability, 32),
+        options=dict(num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers),
+    )
+    usage = resource_usage(compiled.asm["cubin"])
+    return KernelResources(
+        kernel=kernel,
+        capability=capability,
+        head_dim=head_dim,
+        dtype=model_dtype,
+        config=config,
+        shared_bytes=int(compiled.metadata.shared),
+        shared_limit=SHARED_MEMORY_LIMIT[capability],
+        registers=usage["REG"],
+        spill_bytes=usage["STACK"],
+        compile_s=time.perf_counter() - start,
+    )
+
+
+def _worker_init() -> None:
+    # A compile needs triton's compiler mode, decided when the kernels module is imported.
+    os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+
+
+def _compile_job(job: tuple) -> KernelResources:
+    return compile_kernel(*job)
+
+
+def compile_many(jobs: list[tuple], workers: int = 1) -> list[KernelResources]:
+    """``compile_kernel(*job)`` for every job, in ``workers`` fresh (spawned) processes: the kernels
+    are compiled, never interpreted, whatever this process has imported. Results in job order.
+    Triton's on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) makes repeats fast."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=max(1, workers), mp_context=context, initializer=_worker_init
+    ) as pool:
+        return list(pool.map(_compile_job, jobs))
