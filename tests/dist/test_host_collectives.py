@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from sft_fixtures import make_chat, make_tokenizer
-from sft_runs import BASE_ARGS, CPU_CONFIG, REPO, check, env, free_port, launch, metrics
+from sft_runs import BASE_ARGS, DS_CONFIG, REPO, check, env, free_port, launch, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -68,7 +68,7 @@ def test_pretrain_under_nccl_device_rule(assets, tmp_path):
     out, log = tmp_path / "out", tmp_path / "mimic.log"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        str(REPO / "launch" / "pretrain.py"), "--deepspeed", str(CPU_CONFIG),
+        str(REPO / "launch" / "pretrain.py"), "--deepspeed", str(DS_CONFIG),
         "--dataset", str(corpus), "--validation", str(corpus), "--tokenizer", str(tok),
         "--text_split", "paragraph", "--max_len", "32", "--micro_batch_size", "2", "--max_steps", "2",
         "--save_every", "2", "--eval_every", "2", "--eval_sequences", "2", "--eval_samples", "2",

@@ -91,7 +91,7 @@ def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_m
     run = build_config(
         None, [*args, "--max_len", "48", "--max_steps", "2", "--output_dir", str(tmp_path / "o")]
     )
-    result = run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume=None, dry_run=True)
+    result = run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
     assert result["total_updates"] == 2
     assert run.model.model_name_or_path == str(snapshot) and run.data.tokenizer == str(snapshot)
     assert "org/tiny-llada" not in capsys.readouterr().err

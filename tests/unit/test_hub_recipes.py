@@ -88,7 +88,7 @@ def test_sft_launcher_prints_the_recipe_and_flags_win(tmp_path, capsys):
     code = _launcher("sft").main(
         [
             "--deepspeed",
-            str(REPO / "ds_configs" / "zero3_cpu_test.json"),
+            str(REPO / "ds_configs" / "zero3.json"),
             "--dry-run",
             "--recipe",
             "dream-7b-sft",

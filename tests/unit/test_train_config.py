@@ -109,7 +109,7 @@ def _dry(args, tmp_path):
     from mdlmpe_ds.trainer import run_sft
 
     run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
-    return run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume=None, dry_run=True)
+    return run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
 
 
 def test_dry_run_plan(fixture_data, tmp_path, capsys):
@@ -202,7 +202,7 @@ def test_checkpoint_from_another_model(fixture_data, tmp_path):
     ckpt.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
     run = build_config(None, ["--tokenizer", str(tok), "--dataset", str(chat), "--output_dir", str(out)])
     with pytest.raises(ValueError, match=r"(?s)from another model.*hidden_size: checkpoint 999"):
-        run_sft(run, str(REPO / "ds_configs" / "zero3_cpu_test.json"), resume="auto", dry_run=True)
+        run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume="auto", dry_run=True)
 
 
 def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
