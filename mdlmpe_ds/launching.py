@@ -147,8 +147,16 @@ def run_job(job, run, args, report) -> int:
     from mdlmpe_ds.trainer import NonFiniteError, Stopped
 
     if args.dry_run:
-        os.environ["WORLD_SIZE"] = str(dry_run_world_size())  # no process group in a dry run
-        job(run, args.deepspeed, resume=args.resume, dry_run=True)
+        # No process group in a dry run: the world size the real run will have, for this call only.
+        saved = os.environ.get("WORLD_SIZE")
+        os.environ["WORLD_SIZE"] = str(dry_run_world_size())
+        try:
+            job(run, args.deepspeed, resume=args.resume, dry_run=True)
+        finally:
+            if saved is None:
+                del os.environ["WORLD_SIZE"]
+            else:
+                os.environ["WORLD_SIZE"] = saved
         return 0
     lifecycle.install(run.train.orphan_grace_s)
     with engine.distributed_session(run.train.dist_timeout_min, run.train.setup_timeout_min):
