@@ -199,7 +199,7 @@ class PretrainTrainer(SFTTrainer):
         noisy, masked, p = self.corruption(batch)
         ids, valid = batch["input_ids"].to(self.device), batch["valid"].to(self.device)
         masked, p = masked.to(self.device), p.to(self.device)
-        logits = self.engine(noisy.to(self.device), valid=valid)  # [B, L, V]
+        logits = self.engine(noisy.to(self.device), valid=valid, scored=masked, targets=ids)  # ScoredCE [M]
         if self.loss_family == "llada":
             loss, stats = self._pretrain_loss(logits, ids, masked, p)
         else:

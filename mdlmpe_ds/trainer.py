@@ -203,7 +203,10 @@ class SFTTrainer:
                 t.block_size, t.block_context, mask_id, gen, eps=t.noise_eps,
             )  # fmt: skip
             ids, valid, masked, answer_len = noisy.noisy_ids, noisy.valid, noisy.loss_mask, noisy.block_len
-        logits = self.engine(ids, valid=valid, positions=batch.get("positions"))  # [B, L, V]
+        # fp32 CE at the masked positions only, the LM head run in chunks: no [B, L, V] logits
+        logits = self.engine(
+            ids, valid=valid, positions=batch.get("positions"), scored=masked, targets=batch["input_ids"]
+        )  # ScoredCE: ce [M]
         if self.loss_family == "llada":
             loss, stats = self._llada_loss(logits, batch["input_ids"], masked, noisy.p_mask, answer_len)
         else:

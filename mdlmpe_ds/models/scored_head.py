@@ -1,0 +1,80 @@
+"""The LM head and cross-entropy on the scored positions only, a chunk of rows at a time.
+
+Why: the training losses only read the logits of the masked (loss) positions, yet a full forward
+materialises [B, L, V] logits (V = 126k for LLaDA, 152k for Dream): ~0.25 MB per token in bf16,
+plus the fp32 copy and its gradient for the cross-entropy, ~1 MB per token at peak -- more than a
+whole 8B layer's activations. Here the final hidden states of the M scored positions are gathered
+([M, d]), and the head + fp32 cross-entropy run on ``chunk`` rows at a time, each chunk under
+activation checkpointing, so the largest vocabulary-wide tensor alive in forward or backward is
+[chunk, V] (bf16 logits, their fp32 copy and gradient) and nothing of size [B, L, V] or [M, V]
+exists in training.
+
+ZeRO-3: the head runs as ``lm_head(...)`` (its module forward) for every chunk and again in that
+chunk's backward recompute, so DeepSpeed's module hooks gather the partitioned weight each time, as
+they do for any module called several times in one forward. The head is called on at least one
+(possibly empty) chunk, so every rank runs the same hooks and every parameter gets a gradient even
+when a micro-batch has no scored position.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Rows of the [rows, V] logits block alive at once: 2048 x 126k x (2 B bf16 + 4 B fp32 + 4 B fp32
+# gradient) ~ 2.6 GB at the peak of one chunk's backward on an 8B LLaDA; see memory_plan.py.
+DEFAULT_CHUNK = 2048
+
+
+class ScoredCE(NamedTuple):
+    """Per-position fp32 cross-entropy at the scored positions, in row-major order of the scored
+    mask (the order of ``mask.nonzero()``). ``ce`` [M] fp32 (differentiable), ``rows``, ``cols`` [M]."""
+
+    ce: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+def _head_ce(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 CE of one chunk: hidden [n, d], targets [n] -> [n]."""
+    logits = head(hidden)  # [n, V] in the parameter dtype
+    return F.cross_entropy(logits.float(), targets, reduction="none")  # [n] fp32
+
+
+def scored_cross_entropy(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK,
+    recompute: bool = True,
+) -> torch.Tensor:
+    """CE of ``head(hidden)`` against ``targets`` in chunks of ``chunk`` rows: hidden [M, d],
+    targets [M] -> ce [M] fp32. With ``recompute`` (training) each chunk's logits are recomputed in
+    backward instead of being kept, so at most one [chunk, V] block is alive."""
+    if chunk < 1:
+        raise ValueError(f"scored head chunk must be >= 1 row, got {chunk}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden [M, d] and targets [M], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    pieces = []
+    for start in range(0, max(hidden.shape[0], 1), chunk):  # one (empty) chunk when M = 0
+        h, y = hidden[start : start + chunk], targets[start : start + chunk]
+        if recompute:
+            pieces.append(checkpoint(_head_ce, head, h, y, use_reentrant=False))
+        else:
+            pieces.append(_head_ce(head, h, y))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def scored_source_columns(cols: torch.Tensor, shift_logits: bool) -> torch.Tensor:
+    """Column of the final hidden state whose logit is the ALIGNED logit at ``cols``: Dream's
+    aligned logit i is the raw logit max(i - 1, 0) (``cat(l[:, :1], l[:, :-1])``); LLaDA's is i."""
+    return (cols - 1).clamp_min(0) if shift_logits else cols
+
+
+__all__ = ["DEFAULT_CHUNK", "ScoredCE", "scored_cross_entropy", "scored_source_columns"]
