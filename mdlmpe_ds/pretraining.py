@@ -84,9 +84,9 @@ def pretrain_defaults(preset: str | None, world: int) -> dict[str, Any]:
     """Launcher defaults for ``preset``: the paper's recipe for the 100M presets, the CPU demo's
     otherwise. Config files and flags override them.
 
-    The recipe's global batch of 16 is micro-batch 4 (as ds_configs/zero3.json) x gradient
-    accumulation on 1, 2 or 4 ranks; on 8 or 16 ranks micro-batches of 2 or 1 (the ds config must
-    then say so too, or "auto")."""
+    The recipe's global batch of 16 is micro-batch 4 x gradient accumulation on 1, 2 or 4 ranks; on
+    8 or 16 ranks micro-batches of 2 or 1 (the shipped ds configs say "auto"; one that sets the
+    batch explicitly must agree)."""
     defaults = dict(PRETRAIN_DEFAULTS)
     if preset is not None:
         defaults["model.preset"] = preset
