@@ -620,9 +620,20 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
     params["total"] = params["backbone"] + params["mdlmpe"]
     plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    from mdlmpe_ds.memory_plan import plan_memory
+
+    memory = plan_memory(
+        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len
+    )
+    plan += "\n" + memory.format()
     if dry_run:
         _log("dry run (meta device, nothing allocated):\n" + plan)
-        return None, {"plan": plan, "total_updates": total, "params": params}
+        return None, {
+            "plan": plan,
+            "total_updates": total,
+            "params": params,
+            "memory_gib": memory.total / 2**30,
+        }
     _log(plan)
     return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
 

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Rows of the [rows, V] logits block alive at once: 2048 x 126k x (2 B bf16 + 4 B fp32 + 4 B fp32
-# gradient) ~ 2.6 GB at the peak of one chunk's backward on an 8B LLaDA; see memory_plan.py.
-DEFAULT_CHUNK = 2048
+# Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 x 2 B bf16 + 3 x 4 B fp32
+# logits, log-softmax, gradients) ~ 2 GB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
+DEFAULT_CHUNK = 1024
 
 
 class ScoredCE(NamedTuple):
