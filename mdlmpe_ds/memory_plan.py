@@ -152,10 +152,13 @@ def attention_transient_bytes(cfg: ModelConfig, batch: int, length: int) -> floa
 
 
 def head_bytes(cfg: ModelConfig, p: int, scored_tokens: int, chunk: int = DEFAULT_CHUNK) -> float:
-    """The scored-positions head: the gathered [M, d] hidden rows and their norm, and one chunk of
-    logits [n, V] in ``p`` bytes, its fp32 copy, fp32 log-softmax, fp32 gradient and its cast."""
+    """The scored-positions head: the gathered [M, d] hidden rows and their norm, and at the peak of
+    one chunk's backward recompute [n, V] logits in ``p`` bytes, their fp32 copy (below fp32), the
+    fp32 log-softmax and the fp32 logit gradient (measured: 3 fp32 [n, V] tensors in an fp32 run,
+    benchmarks/memory_plan_check.py)."""
     n = min(chunk, max(scored_tokens, 1))
-    return float(2 * scored_tokens * cfg.hidden_size * p + n * cfg.vocab_size * (2 * p + 3 * FP32))
+    upcast = 0 if p == FP32 else FP32
+    return float(2 * scored_tokens * cfg.hidden_size * p + n * cfg.vocab_size * (p + upcast + 2 * FP32))
 
 
 # ------------------------------------------------------------------------------ the plan

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 x 2 B bf16 + 3 x 4 B fp32
-# logits, log-softmax, gradients) ~ 2 GB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
+# Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 B bf16 logits + 3 x 4 B fp32
+# copy, log-softmax, gradient) ~ 1.7 GiB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
 DEFAULT_CHUNK = 1024
 
 
