@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.models.config import ModelConfig
-from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK
+from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, configured_chunk
 
 GIB = 2**30
 # CUDA context, cuBLAS/NCCL workspaces and caching-allocator fragmentation, typical on an H100.
@@ -210,11 +210,13 @@ def plan_memory(
     micro_batch: int,
     length: int,
     scored_fraction: float = 1.0,
-    head_chunk: int = DEFAULT_CHUNK,
+    head_chunk: int | None = None,
 ) -> MemoryPlan:
     """The plan for ``cfg`` under ``ds_config`` (after ``engine.prepare_ds_config``: bf16 or fp32,
     offload sections, buckets) on ``world`` GPUs, ``micro_batch`` sequences of ``length`` tokens.
-    ``scored_fraction``: share of tokens in the loss (masked); 1.0 is the worst case."""
+    ``scored_fraction``: share of tokens in the loss (masked); 1.0 is the worst case.
+    ``head_chunk``: rows per LM-head chunk (default: what training uses, ``configured_chunk()``)."""
+    head_chunk = head_chunk or configured_chunk()
     if world < 1 or micro_batch < 1 or length < 1:
         raise ValueError(
             f"memory plan needs world, micro-batch and L >= 1; got {world}, {micro_batch}, {length}"

@@ -18,6 +18,7 @@ when a micro-batch has no scored position.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,19 @@ from torch.utils.checkpoint import checkpoint
 # Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 B bf16 logits + 3 x 4 B fp32
 # copy, log-softmax, gradient) ~ 1.7 GiB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
 DEFAULT_CHUNK = 1024
+# Rows per chunk for training forwards that do not pass one (the trainers): smaller trades speed for
+# memory; tests/dist set it small to run several chunks through ZeRO-3's hooks.
+CHUNK_ENV = "MDLMPE_DS_HEAD_CHUNK"
+
+
+def configured_chunk() -> int:
+    """``$MDLMPE_DS_HEAD_CHUNK`` rows when set, else ``DEFAULT_CHUNK``."""
+    raw = os.environ.get(CHUNK_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CHUNK
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{CHUNK_ENV}={raw!r}: expected a positive number of rows")
+    return int(raw)
 
 
 class ScoredCE(NamedTuple):
@@ -77,4 +91,11 @@ def scored_source_columns(cols: torch.Tensor, shift_logits: bool) -> torch.Tenso
     return (cols - 1).clamp_min(0) if shift_logits else cols
 
 
-__all__ = ["DEFAULT_CHUNK", "ScoredCE", "scored_cross_entropy", "scored_source_columns"]
+__all__ = [
+    "CHUNK_ENV",
+    "DEFAULT_CHUNK",
+    "ScoredCE",
+    "configured_chunk",
+    "scored_cross_entropy",
+    "scored_source_columns",
+]

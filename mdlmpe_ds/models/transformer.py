@@ -35,7 +35,12 @@ from mdlmpe_ds.models.layers import (
     NormalLinear,
     RMSNorm,
 )
-from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, ScoredCE, scored_cross_entropy, scored_source_columns
+from mdlmpe_ds.models.scored_head import (
+    ScoredCE,
+    configured_chunk,
+    scored_cross_entropy,
+    scored_source_columns,
+)
 from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
 from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
@@ -244,7 +249,7 @@ class DiffusionLM(nn.Module):
         positions: torch.Tensor | None = None,
         scored: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
-        head_chunk: int = DEFAULT_CHUNK,
+        head_chunk: int | None = None,
     ) -> torch.Tensor | ScoredCE:
         """Logits [B, L, V] in the parameter dtype, aligned so that logit i predicts token i.
 
@@ -260,7 +265,8 @@ class DiffusionLM(nn.Module):
 
         Training path: with ``scored`` [B, L] bool and ``targets`` [B, L] long, no logits are
         returned but ``ScoredCE``: the fp32 cross-entropy of the aligned logit against the target at
-        each scored position, the head run on ``head_chunk`` rows at a time (models/scored_head.py),
+        each scored position, the head run on ``head_chunk`` rows at a time (default
+        ``scored_head.configured_chunk()``, models/scored_head.py),
         so no [B, L, V] tensor exists. Same values as CE of the full logits at those positions.
         """
         if input_ids.dim() != 2:
@@ -301,7 +307,11 @@ class DiffusionLM(nn.Module):
             hidden = x[rows, scored_source_columns(cols, cfg.shift_logits and not raw)]  # [M, d]
             recompute = self.training and torch.is_grad_enabled()
             ce = scored_cross_entropy(
-                self.lm_head, self.norm(hidden), targets[rows, cols], head_chunk, recompute
+                self.lm_head,
+                self.norm(hidden),
+                targets[rows, cols],
+                head_chunk or configured_chunk(),
+                recompute,
             )
             return ScoredCE(ce, rows, cols)  # ce [M] fp32
         logits = self.lm_head(self.norm(x))  # [B, L, V]

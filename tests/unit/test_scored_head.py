@@ -218,3 +218,22 @@ def test_training_micro_step_allocates_no_full_logits(family, block_size):
     # the head's chunk is DEFAULT_CHUNK rows, far more than B * L here: bound by the scored count
     assert watch.max_rows <= int(extra["stats"].num_masked), sorted(watch.shapes)
     assert (B, L, cfg.vocab_size) not in watch.shapes and int(extra["stats"].num_masked) < B * L
+
+
+def test_head_chunk_from_the_environment(monkeypatch):
+    """Trainers pass no chunk: $MDLMPE_DS_HEAD_CHUNK (else DEFAULT_CHUNK) bounds the vocab-wide rows."""
+    from mdlmpe_ds.models.scored_head import CHUNK_ENV, DEFAULT_CHUNK, configured_chunk
+
+    assert configured_chunk() == DEFAULT_CHUNK
+    monkeypatch.setenv(CHUNK_ENV, "3")
+    model = _model("llada")
+    batch = _batch(model)
+    ids = batch["input_ids"]
+    watch = _VocabWideOutputs(model.config.vocab_size, model.config.hidden_size)
+    with watch:
+        out = model(ids, valid=batch["valid"], scored=batch["maskable"], targets=ids)
+        out.ce.sum().backward()
+    assert out.ce.numel() > 3 and watch.max_rows == 3
+    monkeypatch.setenv(CHUNK_ENV, "0")
+    with pytest.raises(ValueError, match=CHUNK_ENV):
+        configured_chunk()
