@@ -199,7 +199,15 @@ class PretrainTrainer(SFTTrainer):
         noisy, masked, p = self.corruption(batch)
         ids, valid = batch["input_ids"].to(self.device), batch["valid"].to(self.device)
         masked, p = masked.to(self.device), p.to(self.device)
-        logits = self.engine(noisy.to(self.device), valid=valid, scored=masked, targets=ids)  # ScoredCE [M]
+        from mdlmpe_ds.models.scored_head import group_chunk_count
+
+        logits = self.engine(
+            noisy.to(self.device),
+            valid=valid,
+            scored=masked,
+            targets=ids,
+            head_chunks=group_chunk_count(masked),
+        )  # ScoredCE [M]: the head in chunks, as many on every rank
         if self.loss_family == "llada":
             loss, stats = self._pretrain_loss(logits, ids, masked, p)
         else:

@@ -203,10 +203,15 @@ class SFTTrainer:
                 t.block_size, t.block_context, mask_id, gen, eps=t.noise_eps,
             )  # fmt: skip
             ids, valid, masked, answer_len = noisy.noisy_ids, noisy.valid, noisy.loss_mask, noisy.block_len
-        # fp32 CE at the masked positions only, the LM head run in chunks: no [B, L, V] logits
+        # fp32 CE at the masked positions only, the LM head run in chunks (as many on every rank): no
+        # [B, L, V] logits
+        from mdlmpe_ds.models.scored_head import group_chunk_count
+
         logits = self.engine(
-            ids, valid=valid, positions=batch.get("positions"), scored=masked, targets=batch["input_ids"]
-        )  # ScoredCE: ce [M]
+            ids, valid=valid, positions=batch.get("positions"), scored=masked, targets=batch["input_ids"],
+            head_chunks=group_chunk_count(masked),
+        )  # fmt: skip
+        # logits: ScoredCE, ce [M]
         if self.loss_family == "llada":
             loss, stats = self._llada_loss(logits, batch["input_ids"], masked, noisy.p_mask, answer_len)
         else:

@@ -11,9 +11,13 @@ exists in training.
 
 ZeRO-3: the head runs as ``lm_head(...)`` (its module forward) for every chunk and again in that
 chunk's backward recompute, so DeepSpeed's module hooks gather the partitioned weight each time, as
-they do for any module called several times in one forward. The head is called on at least one
-(possibly empty) chunk, so every rank runs the same hooks and every parameter gets a gradient even
-when a micro-batch has no scored position.
+they do for any module called several times in one forward. Each gather is a collective, so every
+rank must call the head the same number of times although its own scored count M differs: the
+trainers pass ``num_chunks = group_chunk_count(...)`` (ceil(max over ranks of M / chunk), one
+small all-reduce per micro-batch) and a rank with fewer rows runs its last chunks empty. (Without
+it the ranks' all-gathers mismatch: gloo aborts with "Received data size doesn't match".) The head
+is called on at least one (possibly empty) chunk, so every parameter gets a gradient even when a
+micro-batch has no scored position.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -59,24 +64,50 @@ def _head_ce(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(logits.float(), targets, reduction="none")  # [n] fp32
 
 
+def chunk_count(scored: int, chunk: int) -> int:
+    """Chunks of ``chunk`` rows that cover ``scored`` rows; at least 1."""
+    return max(1, -(-scored // chunk))
+
+
+def group_chunk_count(scored: torch.Tensor, chunk: int | None = None) -> int:
+    """The head's chunk count for this micro-batch on every rank: ``chunk_count`` of the largest
+    scored count over the process group (``scored`` [B, L] bool, this rank's loss positions). One
+    all-reduce of a scalar on ``scored``'s device when torch.distributed is initialised."""
+    count = scored.sum().reshape(1).to(torch.int64)  # [1]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return chunk_count(int(count.item()), chunk or configured_chunk())
+
+
 def scored_cross_entropy(
     head: nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     chunk: int = DEFAULT_CHUNK,
     recompute: bool = True,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
     """CE of ``head(hidden)`` against ``targets`` in chunks of ``chunk`` rows: hidden [M, d],
     targets [M] -> ce [M] fp32. With ``recompute`` (training) each chunk's logits are recomputed in
-    backward instead of being kept, so at most one [chunk, V] block is alive."""
+    backward instead of being kept, so at most one [chunk, V] block is alive. ``num_chunks`` (at
+    least ``chunk_count(M, chunk)``) calls the head that many times, the extra ones on empty chunks,
+    so that all ranks of a ZeRO-3 group gather the head weight alike (module docstring)."""
     if chunk < 1:
         raise ValueError(f"scored head chunk must be >= 1 row, got {chunk}")
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [M, d] and targets [M], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
         )
+    needed = chunk_count(hidden.shape[0], chunk)
+    if num_chunks is None:
+        num_chunks = needed
+    elif num_chunks < needed:
+        raise ValueError(
+            f"{num_chunks} head chunks of {chunk} rows cannot hold {hidden.shape[0]} scored rows"
+        )
     pieces = []
-    for start in range(0, max(hidden.shape[0], 1), chunk):  # one (empty) chunk when M = 0
+    for index in range(num_chunks):  # one (empty) chunk when M = 0
+        start = index * chunk
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
         if recompute:
             pieces.append(checkpoint(_head_ce, head, h, y, use_reentrant=False))
@@ -95,7 +126,9 @@ __all__ = [
     "CHUNK_ENV",
     "DEFAULT_CHUNK",
     "ScoredCE",
+    "chunk_count",
     "configured_chunk",
+    "group_chunk_count",
     "scored_cross_entropy",
     "scored_source_columns",
 ]

@@ -250,6 +250,7 @@ class DiffusionLM(nn.Module):
         scored: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         head_chunk: int | None = None,
+        head_chunks: int | None = None,
     ) -> torch.Tensor | ScoredCE:
         """Logits [B, L, V] in the parameter dtype, aligned so that logit i predicts token i.
 
@@ -266,7 +267,8 @@ class DiffusionLM(nn.Module):
         Training path: with ``scored`` [B, L] bool and ``targets`` [B, L] long, no logits are
         returned but ``ScoredCE``: the fp32 cross-entropy of the aligned logit against the target at
         each scored position, the head run on ``head_chunk`` rows at a time (default
-        ``scored_head.configured_chunk()``, models/scored_head.py),
+        ``scored_head.configured_chunk()``, models/scored_head.py); under ZeRO-3 pass ``head_chunks``
+        (``scored_head.group_chunk_count``), the chunk count every rank must run alike,
         so no [B, L, V] tensor exists. Same values as CE of the full logits at those positions.
         """
         if input_ids.dim() != 2:
@@ -312,6 +314,7 @@ class DiffusionLM(nn.Module):
                 targets[rows, cols],
                 head_chunk or configured_chunk(),
                 recompute,
+                head_chunks,
             )
             return ScoredCE(ce, rows, cols)  # ce [M] fp32
         logits = self.lm_head(self.norm(x))  # [B, L, V]

@@ -237,3 +237,22 @@ def test_head_chunk_from_the_environment(monkeypatch):
     monkeypatch.setenv(CHUNK_ENV, "0")
     with pytest.raises(ValueError, match=CHUNK_ENV):
         configured_chunk()
+
+
+def test_a_fixed_chunk_count_adds_empty_head_calls():
+    """Under ZeRO-3 every rank calls the head ``head_chunks`` times (each call gathers its weight):
+    extra chunks are empty, in forward and in the backward recompute; values are unchanged."""
+    model = _model("llada")
+    batch = _batch(model)
+    ids, valid, scored = batch["input_ids"], batch["valid"], batch["maskable"]
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+    needed = -(-int(scored.sum()) // CHUNK)
+    reference = model(ids, valid=valid, scored=scored, targets=ids, head_chunk=CHUNK)
+    calls.clear()
+    out = model(ids, valid=valid, scored=scored, targets=ids, head_chunk=CHUNK, head_chunks=needed + 2)
+    out.ce.sum().backward()
+    assert len(calls) == 2 * (needed + 2) and calls[needed : needed + 2] == [0, 0]  # forward, then recompute
+    assert torch.equal(out.ce.detach(), reference.ce.detach())
+    with pytest.raises(ValueError, match="cannot hold"):
+        model(ids, valid=valid, scored=scored, targets=ids, head_chunk=CHUNK, head_chunks=needed - 1)
