@@ -10,9 +10,11 @@ scored counts differ (``group_chunk_count``; without it gloo aborts with a colle
    each parameter's largest gradient element.
 2. The SFT launcher with the head in chunks of 5 vs one chunk (lr 1e-9, so the weights stay equal
    and every update compares the same model): same losses, and grad norms within 1e-3. Observed:
-   losses equal, grad norms up to 6e-4 apart, all of it in lm_head.weight's gradient (the fixture's
-   ~100-word vocabulary with 1/(p * answer_len) weights; the sums come out in another order); a
-   chunk's gradient lost or counted twice moves it by tens of percent.
+   losses equal, grad norms up to 6e-4 apart, all of it in lm_head.weight's gradient, whose entries
+   in this run are sums of terms of a few hundred that cancel to below 0.5 (they sit on a 2^-14
+   grid, fp32's spacing at ~500), so another summation order (chunks) moves an entry by a few of
+   those steps; with one chunk the gradients equal the full-logits path's bit for bit. A chunk's
+   gradient lost or counted twice would move the norm by tens of percent.
 """
 
 from __future__ import annotations
