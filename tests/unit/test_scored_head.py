@@ -256,3 +256,41 @@ def test_a_fixed_chunk_count_adds_empty_head_calls():
     assert torch.equal(out.ce.detach(), reference.ce.detach())
     with pytest.raises(ValueError, match="cannot hold"):
         model(ids, valid=valid, scored=scored, targets=ids, head_chunk=CHUNK, head_chunks=needed - 1)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_pretraining_micro_step_allocates_no_full_logits(family):
+    """PretrainTrainer._micro on packed windows: the same scored-head path, no [B, L, V] tensor,
+    and its loss equals the pretraining loss of the full logits on the same corruption."""
+    from mdlmpe_ds.data.pretrain import packed_collate
+    from mdlmpe_ds.diffusion.elbo import scored_positions
+    from mdlmpe_ds.pretraining import PretrainTrainer
+    from mdlmpe_ds.trainer import TrainerState
+
+    model = _model(family, "mdlmpe")
+    cfg = model.config
+    sft = PretrainTrainer.__new__(PretrainTrainer)
+    sft.__dict__.update(
+        run=build_config(None, []), engine=model, model_config=cfg, loss_family=family, state=TrainerState(),
+        rank=0, device=torch.device("cpu"), _pretrain_loss=llada_pretrain_loss, _dream_loss=dream_sft_loss,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    items = [
+        {"input_ids": torch.randint(0, cfg.vocab_size - 3, (32,), generator=gen), "index": i} for i in (3, 8)
+    ]
+    batch = {**packed_collate(items), "epoch": 0}
+    watch = _VocabWideOutputs(cfg.vocab_size, cfg.hidden_size)
+    with watch:
+        loss, extra = sft._micro(batch, nan=False)
+        loss.backward()
+    masked_count = int(extra["stats"].num_masked)
+    assert 0 < masked_count < 2 * 32 and watch.max_rows <= masked_count, sorted(watch.shapes)
+    noisy, masked, p = sft.corruption(batch)
+    ids, valid = batch["input_ids"], batch["valid"]
+    with torch.no_grad():
+        logits = model(noisy, valid=valid)
+        if family == "llada":
+            old, _ = llada_pretrain_loss(logits, ids, masked, p)
+        else:
+            old, _ = dream_sft_loss(logits, ids, masked, p, scored_positions(valid, "dream"), valid=valid)
+    _assert_close("pretraining loss", loss.detach(), old)
