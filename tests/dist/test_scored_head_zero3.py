@@ -10,11 +10,12 @@ scored counts differ (``group_chunk_count``; without it gloo aborts with a colle
    each parameter's largest gradient element.
 2. The SFT launcher with the head in chunks of 5 vs one chunk (lr 1e-9, so the weights stay equal
    and every update compares the same model): same losses, and grad norms within 1e-3. Observed:
-   losses equal, grad norms up to 6e-4 apart, all of it in lm_head.weight's gradient, whose entries
-   in this run are sums of terms of a few hundred that cancel to below 0.5 (they sit on a 2^-14
-   grid, fp32's spacing at ~500), so another summation order (chunks) moves an entry by a few of
-   those steps; with one chunk the gradients equal the full-logits path's bit for bit. A chunk's
-   gradient lost or counted twice would move the norm by tens of percent.
+   losses equal, grad norms up to 6e-4 apart, all of it in lm_head.weight's gradient. In this run
+   that gradient's entries are small differences of large partial sums: even through the full
+   logits 97% of them are exactly representable in fp16 (their low bits cancelled away), and the
+   chunked entries differ from them by one or two of those remaining units (up to 2.5e-3 of the
+   largest entry, on 1 rank and on 2). With one chunk the gradients equal the full-logits path's
+   bit for bit. A chunk's gradient lost or counted twice would move the norm by tens of percent.
 """
 
 from __future__ import annotations
