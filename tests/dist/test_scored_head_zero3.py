@@ -9,13 +9,13 @@ scored counts differ (``group_chunk_count``; without it gloo aborts with a colle
    differ in how the head's GEMM is blocked and summed (fp32, ~1e-7 relative per element); 1e-5 of
    each parameter's largest gradient element.
 2. The SFT launcher with the head in chunks of 5 vs one chunk (lr 1e-9, so the weights stay equal
-   and every update compares the same model): same losses, and grad norms within 1e-3. Observed:
-   losses equal, grad norms up to 6e-4 apart, all of it in lm_head.weight's gradient. In this run
-   that gradient's entries are small differences of large partial sums: even through the full
-   logits 97% of them are exactly representable in fp16 (their low bits cancelled away), and the
-   chunked entries differ from them by one or two of those remaining units (up to 2.5e-3 of the
-   largest entry, on 1 rank and on 2). With one chunk the gradients equal the full-logits path's
-   bit for bit. A chunk's gradient lost or counted twice would move the norm by tens of percent.
+   and every update compares the same model): same losses, and grad norms within 1e-3. Why so loose
+   today: engine.build_model passes ``dtype=float32`` to ``zero.Init``, which DeepSpeed 0.19.8
+   ignores on a CPU without fp16 (``_set_dtype``'s operator precedence) and builds bf16 parameters,
+   so this "fp32" run computes in bf16 and the chunks change bf16 roundings: grad norms 6e-4 apart,
+   all in lm_head.weight. With ``zero.Init(config_dict_or_path=ds_config)`` (no dtype) they agree to
+   ~1e-8 (measured); tighten to 1e-6 then. A chunk's gradient lost or counted twice would move the
+   norm by tens of percent. With one chunk the gradients equal the full-logits path's bit for bit.
 """
 
 from __future__ import annotations
