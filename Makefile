@@ -16,7 +16,7 @@ endif
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED = 1
 
-.PHONY: venv test test-unit test-dist lint format demo pretrain-demo compare bench clean
+.PHONY: venv test test-unit test-dist lint format demo pretrain-demo compare bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,12 @@ compare: venv
 
 bench: venv
 	$(BIN)/python benchmarks/bench_attention.py
+
+# GPU runbook (launch/gpu_check.py): memory plan, tests/gpu, the GPU attention benchmark, a 3-update
+# 1-GPU ZeRO-3 smoke run of LLaDA-8B widths x 2 layers. Without a GPU: prints the plan, "no GPU:
+# stopping", exit 0. DeepSpeed picks its accelerator itself here (CUDA when present).
+gpu-check: venv
+	env -u DS_ACCELERATOR PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python launch/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

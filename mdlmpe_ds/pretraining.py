@@ -85,9 +85,9 @@ def pretrain_defaults(preset: str | None, world: int, recipe: str | None = None)
     """Launcher defaults: the recipe's values (``--recipe``, or a ``--preset`` with a recipe) over the
     CPU demo's. Config files and flags override them.
 
-    The recipe's global batch of 16 is micro-batch 4 (as ds_configs/zero3.json) x gradient
-    accumulation on 1, 2 or 4 ranks; on 8 or 16 ranks micro-batches of 2 or 1 (the ds config must
-    then say so too, or "auto")."""
+    The recipe's global batch of 16 is micro-batch 4 x gradient accumulation on 1, 2 or 4 ranks; on
+    8 or 16 ranks micro-batches of 2 or 1 (the shipped ds configs say "auto"; one that sets the
+    batch explicitly must agree)."""
     defaults = dict(PRETRAIN_DEFAULTS)
     name = pretrain_recipe(preset, recipe)
     if name is not None:
@@ -200,7 +200,15 @@ class PretrainTrainer(SFTTrainer):
         noisy, masked, p = self.corruption(batch)
         ids, valid = batch["input_ids"].to(self.device), batch["valid"].to(self.device)
         masked, p = masked.to(self.device), p.to(self.device)
-        logits = self.engine(noisy.to(self.device), valid=valid)  # [B, L, V]
+        from mdlmpe_ds.models.scored_head import group_chunk_count
+
+        logits = self.engine(
+            noisy.to(self.device),
+            valid=valid,
+            scored=masked,
+            targets=ids,
+            head_chunks=group_chunk_count(masked),
+        )  # ScoredCE [M]: the head in chunks, as many on every rank
         if self.loss_family == "llada":
             loss, stats = self._pretrain_loss(logits, ids, masked, p)
         else:

@@ -214,7 +214,15 @@ class SFTTrainer:
                 t.block_size, t.block_context, mask_id, gen, eps=t.noise_eps,
             )  # fmt: skip
             ids, valid, masked, answer_len = noisy.noisy_ids, noisy.valid, noisy.loss_mask, noisy.block_len
-        logits = self.engine(ids, valid=valid, positions=batch.get("positions"))  # [B, L, V]
+        # fp32 CE at the masked positions only, the LM head run in chunks (as many on every rank): no
+        # [B, L, V] logits
+        from mdlmpe_ds.models.scored_head import group_chunk_count
+
+        logits = self.engine(
+            ids, valid=valid, positions=batch.get("positions"), scored=masked, targets=batch["input_ids"],
+            head_chunks=group_chunk_count(masked),
+        )  # fmt: skip
+        # logits: ScoredCE, ce [M]
         if self.loss_family == "llada":
             loss, stats = self._llada_loss(logits, batch["input_ids"], masked, noisy.p_mask, answer_len)
         else:
@@ -703,9 +711,20 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
     params["total"] = params["backbone"] + params["mdlmpe"]
     plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    from mdlmpe_ds.memory_plan import plan_memory
+
+    memory = plan_memory(
+        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len
+    )
+    plan += "\n" + memory.format()
     if dry_run:
         _log("dry run (meta device, nothing allocated):\n" + plan)
-        return None, {"plan": plan, "total_updates": total, "params": params}
+        return None, {
+            "plan": plan,
+            "total_updates": total,
+            "params": params,
+            "memory_gib": memory.total / 2**30,
+        }
     _log(plan)
     return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
 

@@ -6,6 +6,11 @@ predicts token i) is applied inside the model, so the losses are the same code f
 Cross-entropy is computed in fp32 and only at masked positions: the [M, V] rows of the M masked
 tokens are gathered first, so the fp32 copy is M x V, not B x L x V.
 
+Training passes a ``ScoredCE`` instead of logits: the model's scored-positions forward
+(``DiffusionLM.forward(..., scored=masked, targets=ids)``) has already computed that fp32 CE at the
+masked positions, chunk by chunk, without any [B, L, V] tensor; the weighting, normalisation and
+statistics below are the same code for both inputs.
+
 Each loss returns ``(loss, LossStats)``; the stats are detached sums (not means) so the trainer can
 all-reduce them across ranks and micro-batches before dividing.
 """
@@ -16,6 +21,8 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from mdlmpe_ds.models.scored_head import ScoredCE
 
 T_BUCKETS = 10
 
@@ -35,7 +42,14 @@ class LossStats(NamedTuple):
     bucket_count: torch.Tensor
 
 
-def _check(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor) -> None:
+def _check(logits: torch.Tensor | ScoredCE, targets: torch.Tensor, masked: torch.Tensor) -> None:
+    if isinstance(logits, ScoredCE):
+        if masked.shape != targets.shape or logits.ce.dim() != 1 or targets.dim() != 2:
+            raise ValueError(
+                f"expected targets, masked [B, L] and ScoredCE.ce [M]; got targets {tuple(targets.shape)}, "
+                f"masked {tuple(masked.shape)}, ce {tuple(logits.ce.shape)}"
+            )
+        return
     if logits.dim() != 3 or targets.shape != logits.shape[:2] or masked.shape != targets.shape:
         raise ValueError(
             f"expected logits [B, L, V], targets and masked [B, L]; got logits {tuple(logits.shape)}, "
@@ -44,10 +58,23 @@ def _check(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor) ->
 
 
 def masked_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor
+    logits: torch.Tensor | ScoredCE, targets: torch.Tensor, masked: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 CE at the masked positions only: (ce [M], row index [M]) in row-major order."""
+    """fp32 CE at the masked positions only: (ce [M], row index [M]) in row-major order.
+
+    A ``ScoredCE`` must have been computed for exactly these positions (same count and rows); its
+    ``ce`` is returned as is."""
     _check(logits, targets, masked)
+    if isinstance(logits, ScoredCE):
+        rows, cols = masked.nonzero(as_tuple=True)  # [M], [M]
+        if logits.rows.shape != rows.shape or not (
+            torch.equal(logits.rows, rows) and torch.equal(logits.cols, cols)
+        ):
+            raise ValueError(
+                f"ScoredCE holds {logits.rows.numel()} positions but the loss mask has {rows.numel()} "
+                "(or other ones): pass the same mask as the model's `scored`"
+            )
+        return logits.ce, rows
     rows, cols = masked.nonzero(as_tuple=True)  # [M], [M]
     selected = logits[rows, cols].float()  # [M, V]
     ce = F.cross_entropy(selected, targets[rows, cols], reduction="none")  # [M]
@@ -69,13 +96,15 @@ def _stats(ce: torch.Tensor, rows: torch.Tensor, t: torch.Tensor) -> LossStats:
         )
 
 
-def _zero_like_graph(logits: torch.Tensor) -> torch.Tensor:
+def _zero_like_graph(logits: torch.Tensor | ScoredCE) -> torch.Tensor:
     """A 0 that stays connected to ``logits`` (backward gives zero gradients, not an error)."""
+    if isinstance(logits, ScoredCE):  # M = 0: the empty CE still hangs off the head's graph
+        return logits.ce.sum() * 0.0
     return logits.flatten()[:1].float().sum() * 0.0
 
 
 def llada_sft_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | ScoredCE,
     targets: torch.Tensor,
     masked: torch.Tensor,
     p_mask: torch.Tensor,
@@ -101,7 +130,7 @@ def llada_sft_loss(
 
 
 def llada_pretrain_loss(
-    logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, p_mask: torch.Tensor
+    logits: torch.Tensor | ScoredCE, targets: torch.Tensor, masked: torch.Tensor, p_mask: torch.Tensor
 ) -> tuple[torch.Tensor, LossStats]:
     """LLaDA pretraining: Σ_{masked} CE / p_b, divided by B·L, all tokens masked or not (MODELS.md §3.1)."""
     ce, rows = masked_cross_entropy(logits, targets, masked)
@@ -138,7 +167,7 @@ def cart_weights(masked: torch.Tensor, p: float = 0.1, valid: torch.Tensor | Non
 
 
 def dream_sft_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | ScoredCE,
     targets: torch.Tensor,
     masked: torch.Tensor,
     t: torch.Tensor,

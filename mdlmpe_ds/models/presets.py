@@ -1,6 +1,7 @@
 """Named model configurations (SPEC §3, MODELS.md §1, paper Appendix B).
 
-- ``llada-8b`` / ``dream-7b``: the public checkpoints' own ``config.json`` values.
+- ``llada-8b`` / ``dream-7b``: the public checkpoints' own ``config.json`` values; ``llada-8b-2layers``
+  the same widths with 2 layers (GPU smoke runs).
 - ``llada-100m`` / ``dream-100m``: the paper's from-scratch setting (hidden 768, 12 layers, 12 heads,
   4 KV heads, RMSNorm, SiLU, tied embeddings, L = 1024). The paper does not state the MLP width;
   3072 (4x, SMDM's 113M size) gives ~104M non-embedding parameters, the paper's "100M". The
@@ -94,6 +95,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "tie_embeddings": False,
     },
 }
+
+# LLaDA-8B's widths cut to 2 layers (random init): the GPU runbook's 1-GPU smoke run (make gpu-check).
+_PRESETS["llada-8b-2layers"] = {**_PRESETS["llada-8b"], "num_layers": 2}
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 

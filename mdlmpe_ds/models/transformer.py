@@ -35,6 +35,12 @@ from mdlmpe_ds.models.layers import (
     NormalLinear,
     RMSNorm,
 )
+from mdlmpe_ds.models.scored_head import (
+    ScoredCE,
+    configured_chunk,
+    scored_cross_entropy,
+    scored_source_columns,
+)
 from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
 from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
@@ -241,7 +247,11 @@ class DiffusionLM(nn.Module):
         valid: torch.Tensor | None = None,
         raw: bool = False,
         positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        scored: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        head_chunk: int | None = None,
+        head_chunks: int | None = None,
+    ) -> torch.Tensor | ScoredCE:
         """Logits [B, L, V] in the parameter dtype, aligned so that logit i predicts token i.
 
         ``valid`` [B, L] bool marks positions attention may see (False: padding, or future blocks in
@@ -253,9 +263,23 @@ class DiffusionLM(nn.Module):
         forms position ids as cumsum(attention_mask) - 1), so the real tokens get the logits of the
         unpadded row. ALiBi needs none (its bias depends on i - j only); the absolute table rejects
         them.
+
+        Training path: with ``scored`` [B, L] bool and ``targets`` [B, L] long, no logits are
+        returned but ``ScoredCE``: the fp32 cross-entropy of the aligned logit against the target at
+        each scored position, the head run on ``head_chunk`` rows at a time (default
+        ``scored_head.configured_chunk()``, models/scored_head.py); under ZeRO-3 pass ``head_chunks``
+        (``scored_head.group_chunk_count``), the chunk count every rank must run alike,
+        so no [B, L, V] tensor exists. Same values as CE of the full logits at those positions.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        if (scored is None) != (targets is None):
+            raise ValueError("pass scored and targets together (the scored-positions loss path) or neither")
+        if scored is not None and (scored.shape != input_ids.shape or targets.shape != input_ids.shape):
+            shapes = f"scored {tuple(scored.shape)}, targets {tuple(targets.shape)}"
+            raise ValueError(
+                f"scored and targets must have the shape of input_ids {tuple(input_ids.shape)}: {shapes}"
+            )
         if valid is not None:
             if valid.shape != input_ids.shape:
                 raise ValueError(
@@ -280,6 +304,19 @@ class DiffusionLM(nn.Module):
                 x = layer.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint)
             else:
                 x = layer(x, ctx)
+        if scored is not None:
+            rows, cols = scored.bool().nonzero(as_tuple=True)  # [M], [M], row-major
+            hidden = x[rows, scored_source_columns(cols, cfg.shift_logits and not raw)]  # [M, d]
+            recompute = self.training and torch.is_grad_enabled()
+            ce = scored_cross_entropy(
+                self.lm_head,
+                self.norm(hidden),
+                targets[rows, cols],
+                head_chunk or configured_chunk(),
+                recompute,
+                head_chunks,
+            )
+            return ScoredCE(ce, rows, cols)  # ce [M] fp32
         logits = self.lm_head(self.norm(x))  # [B, L, V]
         if cfg.shift_logits and not raw:
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)

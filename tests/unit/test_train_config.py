@@ -82,6 +82,32 @@ def test_ds_config_auto_filled_and_cpu_traps():
     assert ds["bf16"]["enabled"] is False  # precision auto: fp32 on a CPU-only machine
 
 
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
+def test_shipped_ds_configs_leave_the_batch_to_the_training_config(name):
+    """The GPU configs say "auto" for the per-GPU micro-batch and the accumulation: the training
+    config decides (e.g. micro-batch 1 at L = 4096 on an 8B model), no second place to edit."""
+    ds = json.loads((REPO / "ds_configs" / name).read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == ds["gradient_accumulation_steps"] == "auto"
+
+
+def test_shipped_zero3_with_default_and_other_batches():
+    default = prepare_ds_config(REPO / "ds_configs" / "zero3.json", build_config(None, []), world=2)
+    # the defaults give what the config used to hard-code: micro-batch 4, no accumulation
+    assert (default["train_micro_batch_size_per_gpu"], default["gradient_accumulation_steps"]) == (4, 1)
+    assert default["train_batch_size"] == 8
+    run = build_config(None, ["--micro_batch_size", "1", "--grad_accum", "8"])
+    ds = prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)
+    assert (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["train_batch_size"],
+    ) == (
+        1,
+        8,
+        64,
+    )
+
+
 # ------------------------------------------------------------------ checkpoint discovery
 def test_resume_auto_ignores_incomplete(tmp_path):
     for step, complete in ((2, True), (4, True), (6, False)):

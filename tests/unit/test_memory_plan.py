@@ -1,0 +1,119 @@
+"""The per-GPU memory plan (mdlmpe_ds/memory_plan.py): its activation terms against measured layers
+(live tensor bytes of a real layer's forward and backward on the CPU, fp32), ZeRO-3 states and
+offload, and the plan printed by a dry run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mdlmpe_ds.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
+from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.pe.config import MDLMPEConfig
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.20  # the plan vs a measured layer, relative
+
+
+def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, length: int, **mdlmpe):
+    heads = width // 128  # d_h = 128 as in LLaDA-8B and Dream-7B
+    kv = heads if family == "llada" else max(1, heads // 4)
+    return preset(
+        f"{family}-tiny",
+        hidden_size=width,
+        num_heads=heads,
+        num_kv_heads=kv,
+        intermediate_size=3 * width,
+        max_seq_len=length,
+        position_encoding=encoding,
+        gradient_checkpointing=checkpointing,
+        mdlmpe=MDLMPEConfig(max_seq_len=length, **mdlmpe),
+    )
+
+
+def _check_against_measured(cfg, batch: int, length: int) -> None:
+    measured = measure_layer(cfg, batch, length)
+    plan = layer_activation_bytes(cfg, 4, batch, length)
+    peak = measured["kept"] + measured["backward"]
+    for name, planned, seen in (("kept", plan["kept"], measured["kept"]), ("peak", plan["peak"], peak)):
+        assert abs(planned - seen) <= TOLERANCE * seen, (
+            f"{name}: plan {planned / 1024:.1f} KB/token vs measured {seen / 1024:.1f} KB/token"
+        )
+
+
+@pytest.mark.parametrize(
+    ("family", "encoding", "checkpointing", "mdlmpe"),
+    [
+        ("llada", "rope", False, {}),
+        ("llada", "rope", True, {}),
+        ("llada", "mdlmpe", True, {}),  # blocked, per-block checkpointing: attention outside
+        ("llada", "mdlmpe", False, {}),
+        ("llada", "mdlmpe", True, {"checkpoint_blocks": False}),  # O(L) pair tensors per token
+        ("dream", "rope", True, {}),  # GQA, rotary in the activation dtype
+        ("dream", "mdlmpe", True, {}),
+    ],
+)
+def test_activation_terms_match_a_measured_narrow_layer(family, encoding, checkpointing, mdlmpe):
+    """d = 512 (4 heads of 128): every checkpointing mode and backend path the plan models."""
+    cfg = _layer_config(family, 512, encoding, checkpointing, 128, **mdlmpe)
+    _check_against_measured(cfg, 2, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["rope", "mdlmpe"])
+def test_activation_terms_match_a_measured_llada_8b_width_layer(encoding):
+    """One LLaDA-8B-width layer (d 4096, 32 heads, SwiGLU 12288), fp32, L = 64: ~1.3 GB, ~10 s."""
+    cfg = _layer_config("llada", 4096, encoding, True, 64)
+    assert (cfg.num_heads, cfg.intermediate_size) == (32, 12288)
+    _check_against_measured(cfg, 1, 64)
+
+
+def _ds(name: str, bf16: bool = True) -> dict:
+    ds = json.loads((REPO / "ds_configs" / name).read_text())
+    ds["bf16"] = {"enabled": bf16}
+    return ds
+
+
+def test_plan_states_offload_and_total():
+    cfg = preset("llada-8b", position_encoding="mdlmpe", gradient_checkpointing=True)
+    plan = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=1, length=4096)
+    params = 8_015_947_777  # LLaDA-8B + MDLMPE at these dims, counted on the meta device
+    assert plan.item("parameters (ZeRO-3 shard)") == pytest.approx(params / 8 * 2, rel=1e-3)
+    assert plan.item("optimizer states (ZeRO-3 shard)") == pytest.approx(params / 8 * 12, rel=1e-3)
+    assert plan.total == pytest.approx(sum(b for _, b, _ in plan.items))
+    assert "total" in plan.format() and "estimate" in plan.format()
+    offload = plan_memory(cfg, _ds("zero3_offload.json"), world=8, micro_batch=1, length=4096)
+    names = {n for n, _, _ in offload.items}
+    assert "optimizer states (ZeRO-3 shard)" not in names and "parameters (ZeRO-3 shard)" not in names
+    assert {n for n, _, _ in offload.cpu_items} == {"parameters", "optimizer + grads"}
+    assert offload.total < plan.total - 14 * GIB
+    # activations grow with the micro-batch; the chunked head does not grow past one chunk
+    bigger = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=4, length=4096)
+    assert bigger.item("activations kept (other layers)") == pytest.approx(
+        4 * plan.item("activations kept (other layers)")
+    )
+    chunk_only = head_bytes(cfg, 2, 16384) - 2 * 16384 * cfg.hidden_size * 2
+    assert chunk_only == pytest.approx(1024 * cfg.vocab_size * (2 + 4 + 4 + 4))  # bf16 logits, 3 fp32
+    with pytest.raises(ValueError, match="micro-batch"):
+        plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=0, length=4096)
+
+
+def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
+    """trainer.build_engine (the dry run's meta-device build) logs the memory plan for the world
+    size of the job (WORLD_SIZE when no process group is up) and returns its total."""
+    from mdlmpe_ds import engine as eng
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.trainer import build_engine
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = build_config(None, ["--micro_batch_size", "2", "--max_len", "64", "--precision", "bf16"])
+    cfg = preset("llada-tiny", position_encoding="mdlmpe", max_seq_len=64, mdlmpe={"max_seq_len": 64})
+    ds = eng.prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)
+    engine, built = build_engine(run, cfg, ds, total=3, n_examples=10, dry_run=True)
+    out = capsys.readouterr().out
+    assert engine is None
+    assert "memory plan per GPU (estimate): world 8, micro-batch 2 x L 64" in out
+    assert "activations kept" in out and "LM head + CE" in out
+    assert built["memory_gib"] == pytest.approx(plan_memory(cfg, ds, 8, 2, 64).total / GIB)
