@@ -44,11 +44,16 @@ format: venv
 	$(BIN)/ruff format mdlmpe_ds launch tests benchmarks
 	$(BIN)/ruff check --fix mdlmpe_ds launch tests benchmarks
 
+# The demos start from scratch each time: an earlier demo's checkpoints and logs in its output_dir
+# are replaced (a plain launch refuses an output_dir holding checkpoints; `DEMO_ARGS=--resume auto`
+# continues instead).
+DEMO_ARGS ?= --overwrite_output_dir true
+
 demo: venv
-	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/sft.py --deepspeed ds_configs/zero3.json
+	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/sft.py --deepspeed ds_configs/zero3.json $(DEMO_ARGS)
 
 pretrain-demo: venv
-	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/pretrain.py --deepspeed ds_configs/zero3.json
+	PATH=$(CURDIR)/$(BIN):$$PATH deepspeed launch/pretrain.py --deepspeed ds_configs/zero3.json $(DEMO_ARGS)
 
 compare: venv
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python launch/compare_pe.py

@@ -8,21 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from sft_fixtures import make_chat, make_tokenizer
 from sft_runs import BASE_ARGS, check, launch, metrics
 
 pytestmark = pytest.mark.dist
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft_data")
-    return [
-        "--tokenizer",
-        str(make_tokenizer(root / "tokenizer")),
-        "--dataset",
-        str(make_chat(root / "chat.jsonl")),
-    ]
+@pytest.fixture
+def data(sft_data):  # tests/dist/conftest.py
+    return sft_data
 
 
 def test_nonfinite_skipped_then_stop(data, tmp_path):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from sft_fixtures import make_chat, make_tokenizer
 from sft_runs import BASE_ARGS, check, launch, metrics
 
 pytest.importorskip("triton")
@@ -34,15 +33,9 @@ UPDATES = 4
 REL_TOL = {"train/loss": 5e-4, "train/grad_norm": 2e-3, "mdlmpe/delta_abs_mean": 2e-2}
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft_data")
-    return [
-        "--tokenizer",
-        str(make_tokenizer(root / "tokenizer")),
-        "--dataset",
-        str(make_chat(root / "chat.jsonl")),
-    ]
+@pytest.fixture
+def data(sft_data):  # tests/dist/conftest.py
+    return sft_data
 
 
 def _run(data, out, backend: str) -> dict[int, dict]:
