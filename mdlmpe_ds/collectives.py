@@ -80,6 +80,14 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Elementwise maximum of ``values`` over the ranks (float64, host)."""
+    tensor = torch.tensor(values, dtype=torch.float64)  # [n], host
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_group("host"))
+    return tensor.tolist()
+
+
 def all_gather(tensor: torch.Tensor, *, setup: bool = False) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order.
 
@@ -92,6 +100,16 @@ def all_gather(tensor: torch.Tensor, *, setup: bool = False) -> list[torch.Tenso
     group = _group("setup" if setup else "host") if tensor.device.type == "cpu" else None
     dist.all_gather(parts, tensor, group=group)
     return parts
+
+
+def all_gather_object(obj, *, setup: bool = False) -> list:
+    """Every rank's picklable ``obj``, in rank order, over gloo (``setup``: the setup group's
+    timeout, for waits on downloads and data preparation)."""
+    if not _active():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_group("setup" if setup else "host"))
+    return out
 
 
 def setup_barrier(what: str) -> None:

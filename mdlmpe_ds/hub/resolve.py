@@ -96,18 +96,22 @@ def resolve(name: str, revision: str | None = None, what: str = "model", tokeniz
     patterns = TOKENIZER_PATTERNS if tokenizer else MODEL_PATTERNS
     import torch.distributed as dist
 
+    from mdlmpe_ds import collectives
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # Rank 0 downloads; the others wait, then only read the cache (no concurrent downloads).
-        # Rank 0's failure is sent to every rank, so none waits for a download that never comes.
-        status: list = [None]
-        if dist.get_rank() == 0:
+        # Each node's first rank downloads into its (possibly node-local) cache; the others wait on
+        # the setup group (train.setup_timeout_min: a download of 16 GB outlasts a training
+        # collective's timeout), then only read the cache. A failure anywhere reaches every rank, so
+        # none waits for a download that never comes.
+        status = None
+        if collectives.local_rank() == 0:
             try:
                 _download(name, revision, patterns, False, what)
             except Exception as err:  # every rank raises it below
-                status[0] = f"{type(err).__name__}: {err}"
-        dist.broadcast_object_list(status, src=0)
-        if status[0] is not None:
-            raise HubResolveError(f"{what} {name!r}: rank 0 could not fetch it: {status[0]}")
+                status = f"{type(err).__name__}: {err}"
+        failed = [s for s in collectives.all_gather_object(status, setup=True) if s is not None]
+        if failed:
+            raise HubResolveError(f"{what} {name!r}: rank 0 could not fetch it: {failed[0]}")
         return _download(name, revision, patterns, True, what)
     return _download(name, revision, patterns, False, what)
 

@@ -26,7 +26,6 @@ import os
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -72,11 +71,11 @@ def chunk_count(scored: int, chunk: int) -> int:
 def group_chunk_count(scored: torch.Tensor, chunk: int | None = None) -> int:
     """The head's chunk count for this micro-batch on every rank: ``chunk_count`` of the largest
     scored count over the process group (``scored`` [B, L] bool, this rank's loss positions). One
-    all-reduce of a scalar on ``scored``'s device when torch.distributed is initialised."""
-    count = scored.sum().reshape(1).to(torch.int64)  # [1]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return chunk_count(int(count.item()), chunk or configured_chunk())
+    host all-reduce of a scalar (collectives.py: not on the NCCL default group)."""
+    from mdlmpe_ds import collectives
+
+    (largest,) = collectives.all_reduce_max([float(scored.sum())])
+    return chunk_count(int(largest), chunk or configured_chunk())
 
 
 def scored_cross_entropy(

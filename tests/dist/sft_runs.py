@@ -183,12 +183,13 @@ def kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
-def metrics(output_dir: Path) -> dict[int, dict]:
-    """step -> its metrics line. The history must hold each update once, in order, also after any
-    number of kills and resumes (tracking.py): a repeated or out-of-order step fails here."""
+def metrics(output_dir: Path, first: int = 1) -> dict[int, dict]:
+    """step -> its metrics line. The history must hold each update once, in order, from ``first``
+    (a run resumed in a fresh output_dir logs from its checkpoint on), also after any number of
+    kills and resumes (tracking.py): a repeated or out-of-order step fails here."""
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
     steps = [row["step"] for row in rows]
-    assert steps == list(range(1, len(steps) + 1)), f"{output_dir}/metrics.jsonl steps: {steps}"
+    assert steps == list(range(first, first + len(steps))), f"{output_dir}/metrics.jsonl steps: {steps}"
     return {row["step"]: row for row in rows}
 
 

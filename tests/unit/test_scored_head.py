@@ -292,5 +292,9 @@ def test_pretraining_micro_step_allocates_no_full_logits(family):
         if family == "llada":
             old, _ = llada_pretrain_loss(logits, ids, masked, p)
         else:
-            old, _ = dream_sft_loss(logits, ids, masked, p, scored_positions(valid, "dream"), valid=valid)
+            t = sft.run.train  # the run's weighting (Dream's default is CART)
+            old, _ = dream_sft_loss(
+                logits, ids, masked, p, scored_positions(valid, "dream"), valid=valid,
+                weighting=t.dream_weighting, cart_p=t.cart_p,
+            )  # fmt: skip
     _assert_close("pretraining loss", loss.detach(), old)
