@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
             f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
-            f"resume with:      deepspeed launch/pretrain.py --deepspeed {args.deepspeed} "
-            f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip(),
+            f"resume with:      {launching.resume_command('launch/pretrain.py', args.deepspeed, rest)}",
             f"evaluate with:    python launch/evaluate.py {out}",
         ]
         print("\n".join(lines), flush=True)

@@ -28,7 +28,6 @@ hub name (`name:config` or `--dataset_config`, `--dataset_split`).
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -71,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             else "\ndone: nothing left to train",
             f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"
             f"\ncheckpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})"
-            f"\nresume with:      deepspeed launch/sft.py --deepspeed {args.deepspeed} "
-            f"{' '.join(shlex.quote(a) for a in rest)} --resume auto".rstrip()
-            + f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
+            f"\nresume with:      {launching.resume_command('launch/sft.py', args.deepspeed, rest)}"
+            f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
             f"{out / 'export'}",
             flush=True,
         )

@@ -125,6 +125,22 @@ def prepare_process() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
+def resume_command(script: str, deepspeed_config: str, rest: list[str]) -> str:
+    """The command that continues this run: its own flags with ``--resume auto``, minus the ones a
+    resume must not repeat (``--resume``, ``--overwrite_output_dir``)."""
+    kept, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--resume", "--overwrite_output_dir", "--train.overwrite_output_dir"):
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return shlex.join(["deepspeed", script, "--deepspeed", deepspeed_config, *kept, "--resume", "auto"])
+
+
 def dry_run_world_size() -> int:
     """The world size a real run started the same way would have: the launcher's WORLD_SIZE, or on a
     CPU-only machine the ranks it would re-launch with (ranks_to_relaunch)."""

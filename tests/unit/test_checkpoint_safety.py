@@ -279,3 +279,13 @@ def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "['torch.float32']" in proc.stdout, proc.stdout
     assert "check works: True" in proc.stdout
+
+
+def test_resume_hint_drops_flags_a_resume_must_not_repeat():
+    from mdlmpe_ds.launching import resume_command
+
+    rest = ["--max_len", "64", "--overwrite_output_dir", "true", "--resume=step_4", "--output_dir", "o d"]
+    assert resume_command("launch/sft.py", "ds_configs/zero3.json", rest) == (
+        "deepspeed launch/sft.py --deepspeed ds_configs/zero3.json --max_len 64 --output_dir 'o d' "
+        "--resume auto"
+    )
