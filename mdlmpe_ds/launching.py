@@ -144,14 +144,7 @@ def resume_command(script: str, deepspeed_config: str, rest: list[str]) -> str:
 def dry_run_world_size() -> int:
     """The world size a real run started the same way would have: the launcher's WORLD_SIZE, or on a
     CPU-only machine the ranks it would re-launch with (ranks_to_relaunch)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        import torch
-
-        if not torch.cuda.is_available():
-            ranks = int(os.environ.get(CPU_RANKS_ENV, "2"))
-            world = ranks if ranks > 1 else 1
-    return world
+    return ranks_to_relaunch(dry_run=False) or int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run_job(job, run, args, report) -> int:

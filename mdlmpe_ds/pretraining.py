@@ -33,7 +33,7 @@ import torch
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds import recipes
 from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.data.fingerprint import Fingerprint
+from mdlmpe_ds.data.fingerprint import packed_fingerprint
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.trainer import (
     SFTTrainer,
@@ -259,16 +259,6 @@ class PretrainTrainer(SFTTrainer):
 
 
 # ------------------------------------------------------------------------------------ building a run
-def check_same_stream_on_all_ranks(dataset, source: str) -> None:
-    """Every rank must pack the same token stream (the sampler indexes windows globally)."""
-    stream = torch.from_numpy(dataset.stream)  # [T]
-    weighted = (stream * (torch.arange(stream.numel()) % 101)).sum()  # order-sensitive
-    assert_same_on_all_ranks(
-        [float(stream.numel()), float(stream.sum()), float(weighted)],
-        f"{source}: the ranks packed different token streams",
-    )
-
-
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
     """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
     with the positions a ``family`` model is scored on (``maskable``)."""
@@ -320,12 +310,10 @@ def run_pretrain(
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)
-    check_same_stream_on_all_ranks(dataset, d.dataset)
+    fingerprint = packed_fingerprint(dataset, tokenizer)  # one digest: ranks agree, the checkpoint matches
+    assert_same_on_all_ranks(fingerprint, f"{d.dataset}: the ranks packed different token streams")
     if len(dataset) == 0:
         raise ValueError(f"corpus {d.dataset!r} is shorter than one {d.max_len}-token window")
-    fingerprint = (
-        Fingerprint().tokenizer(tokenizer).array("stream", dataset.stream).array("doc_ends", dataset.doc_ends)
-    ).hexdigest()
     check_resume_data(resume_from, fingerprint, run)
     _log(
         f"data {d.dataset}: {len(dataset)} windows of {d.max_len} tokens "

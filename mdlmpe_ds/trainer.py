@@ -77,10 +77,6 @@ class TrainerState:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    return collectives.all_reduce_sum(values)  # host float64: not on the (NCCL) default group
-
-
 def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
@@ -269,7 +265,7 @@ class SFTTrainer:
         # The stop flag rides on the update's own all-reduce, so every rank sees the same sum and
         # stops after the same update, wherever its signal arrived.
         stop = 1.0 if lifecycle.stop_reason() is not None else 0.0
-        reduced = _all_reduce_sum([loss_sum, tokens, samples, *bucket_sum, *bucket_cnt, stop])
+        reduced = collectives.all_reduce_sum([loss_sum, tokens, samples, *bucket_sum, *bucket_cnt, stop])
         self.stop_requested = reduced[-1] > 0
         reduced = reduced[:-1]
         loss_mean = reduced[0] / (t.grad_accum * self.world)
@@ -416,9 +412,7 @@ class SFTTrainer:
         final = ckpt.step_dir(t.output_dir, self.state.step)
         staging = ckpt.staging_dir(t.output_dir, self.state.step)
         if self.rank == 0:
-            for action in ckpt.recover_interrupted(t.output_dir):
-                self.tracker.print(action)
-            if staging.exists():
+            if staging.exists():  # debris of this step's earlier attempt (recovered at start)
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
         eng.barrier()
@@ -617,26 +611,15 @@ def describe_plan(run: RunConfig, model_config, world: int, total: int, n_exampl
     )
 
 
-def check_same_data_on_all_ranks(dataset, source: str) -> None:
-    """Every rank must hold the same examples (the sampler indexes them globally); fail fast if not."""
+def assert_same_on_all_ranks(fingerprint: str, what: str) -> None:
+    """Raise ``what`` (with every rank's digest) unless all ranks hold the same hex ``fingerprint``
+    (data/fingerprint.py: the sampler indexes the data globally, so every rank must hold the same)."""
     if not dist.is_initialized():
         return
-    fingerprint = [float(len(dataset)), 0.0, 0.0]
-    for i in range(len(dataset)):
-        ex = dataset[i]
-        fingerprint[1] += len(ex.input_ids) * (i % 97 + 1)
-        fingerprint[2] += sum(ex.input_ids[:8]) + ex.prompt_len
-    assert_same_on_all_ranks(fingerprint, f"{source}: the ranks built different SFT datasets")
-
-
-def assert_same_on_all_ranks(fingerprint: list[float], what: str) -> None:
-    """Raise ``what`` (with every rank's values) unless all ranks hold the same fingerprint."""
-    if not dist.is_initialized():
-        return
-    mine = torch.tensor(fingerprint, dtype=torch.float64)  # [n], host: a gloo group carries it
+    mine = torch.tensor(list(bytes.fromhex(fingerprint)), dtype=torch.uint8)  # [32], host: gloo
     gathered = collectives.all_gather(mine, setup=True)
     if any(not torch.equal(g, gathered[0]) for g in gathered):
-        raise RuntimeError(f"{what} (fingerprints {[g.tolist() for g in gathered]})")
+        raise RuntimeError(f"{what} (fingerprints {[bytes(g.tolist()).hex()[:16] for g in gathered]})")
 
 
 def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False) -> None:
@@ -738,19 +721,6 @@ def check_resume_data(resume_from: Path | None, fingerprint: str, run: RunConfig
         _log(warning)
 
 
-def sft_data_fingerprint(dataset, tokenizer) -> str:
-    """SHA-256 of the tokenizer and of every tokenized example (ids and prompt length), in order."""
-    from mdlmpe_ds.data.fingerprint import Fingerprint
-
-    fp = Fingerprint().tokenizer(tokenizer)
-    return (
-        fp.array("tokens", dataset.tokens)
-        .array("offsets", dataset.offsets)
-        .array("prompt_lens", dataset.prompt_lens)
-        .hexdigest()
-    )
-
-
 def rank_zero_first(build: Callable[[], Any]) -> Any:
     """``build()`` on each node's local rank 0, then on the node's other ranks: `datasets` writes
     its Arrow cache (and we our tokenizer and data caches) on first use, and ranks building it at
@@ -775,6 +745,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
     (except dry runs, which build on the meta device and need no process group)."""
     from transformers import AutoTokenizer
 
+    from mdlmpe_ds.data.fingerprint import sft_fingerprint
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.data.sft import SFTCollator, build_sft_dataset, eos_pad_id
     from mdlmpe_ds.hub.resolve import resolve_run_names
@@ -801,11 +772,11 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             seed=run.train.seed,  # the turn drawn by multiturn="sample"
         )
     )
-    check_same_data_on_all_ranks(dataset, source)
+    fingerprint = sft_fingerprint(dataset, tokenizer)  # one digest: ranks agree, the checkpoint matches
+    assert_same_on_all_ranks(fingerprint, f"{source}: the ranks built different SFT datasets")
     _log(f"data {source}: {stats.summary()}")
     if len(dataset) == 0:
         raise ValueError(f"{source}: no usable SFT examples")
-    fingerprint = sft_data_fingerprint(dataset, tokenizer)
     check_resume_data(resume_from, fingerprint, run)
     lengths = dataset.lengths
     sampler = LengthGroupedSampler(lengths, t.micro_batch_size, rank=rank, world_size=world, seed=t.seed)

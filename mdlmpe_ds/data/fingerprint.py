@@ -44,3 +44,16 @@ class Fingerprint:
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+def sft_fingerprint(dataset: Any, tokenizer: Any) -> str:
+    """An ``SFTDataset``: the tokenizer and every tokenised example (ids and prompt length), in order."""
+    fp = Fingerprint().tokenizer(tokenizer)
+    fp.array("tokens", dataset.tokens).array("offsets", dataset.offsets)
+    return fp.array("prompt_lens", dataset.prompt_lens).hexdigest()
+
+
+def packed_fingerprint(dataset: Any, tokenizer: Any) -> str:
+    """A ``PackedDataset``: the tokenizer, the token stream and its document boundaries."""
+    fp = Fingerprint().tokenizer(tokenizer)
+    return fp.array("stream", dataset.stream).array("doc_ends", dataset.doc_ends).hexdigest()

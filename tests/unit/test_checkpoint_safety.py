@@ -289,3 +289,41 @@ def test_resume_hint_drops_flags_a_resume_must_not_repeat():
         "deepspeed launch/sft.py --deepspeed ds_configs/zero3.json --max_len 64 --output_dir 'o d' "
         "--resume auto"
     )
+
+
+def test_ranks_holding_other_data_fail_fast_naming_it(tmp_path):
+    """Two gloo ranks compare the data digest (the one the checkpoint stores): equal passes, a
+    different one raises on every rank with every rank's digest."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import socket, torch.distributed as dist, torch.multiprocessing as mp
+            from mdlmpe_ds.data.fingerprint import Fingerprint
+
+            def worker(rank, port, same):
+                url = f"tcp://127.0.0.1:{port}"
+                dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
+                from mdlmpe_ds.trainer import assert_same_on_all_ranks
+                digest = Fingerprint().array("tokens", [1, 2, 3 if same or rank == 0 else 4]).hexdigest()
+                try:
+                    assert_same_on_all_ranks(digest, "chat.jsonl: the ranks built different SFT datasets")
+                    print(rank, "same", flush=True)
+                except RuntimeError as err:
+                    print(rank, "raised:", err, flush=True)
+                dist.destroy_process_group()
+
+            if __name__ == "__main__":
+                for same in (True, False):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", 0))
+                        port = s.getsockname()[1]
+                    mp.spawn(worker, args=(port, same), nprocs=2)
+            """
+        )
+    )
+    proc = _python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout  # the two ranks' lines may interleave
+    assert out.count("same") == 2 and out.count("raised:") == 2, out
+    assert out.count("the ranks built different SFT datasets (fingerprints ['") == 2, out
