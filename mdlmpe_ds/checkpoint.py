@@ -101,20 +101,25 @@ def newest_verified(output_dir: str | Path, log=print) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory, a `latest` file, a checkpoints/ root or an output_dir -> a COMPLETE step dir."""
+def resolve_checkpoint(path: str | Path, log=print) -> Path:
+    """A step directory, a `latest` file, a checkpoints/ root or an output_dir -> a complete step
+    directory whose files match its manifest (an output_dir: the newest such; damaged ones on the
+    way are reported through ``log`` and skipped). The one resolver of resume, export and evaluation."""
     path = Path(path)
     if path.is_file() and path.name == LATEST:
         path = path.parent / path.read_text().strip()
     elif path.is_dir() and not _STEP_DIR.match(path.name):
-        newest = newest_complete(path.parent if path.name == "checkpoints" else path)
+        newest = newest_verified(path.parent if path.name == "checkpoints" else path, log)
         if newest is None:
             raise FileNotFoundError(f"{path}: no complete checkpoint found")
-        path = newest
+        return newest
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if not is_complete(path):
         raise ValueError(f"{path}: checkpoint has no {COMPLETE} marker (interrupted save)")
+    problems = verify(path)
+    if problems:
+        raise ValueError(f"{path}: checkpoint is damaged: " + "; ".join(problems))
     return path
 
 
@@ -125,17 +130,10 @@ def resolve_resume(resume: str | None, output_dir: str | Path, log=print) -> Pat
         return None
     if resume == "auto":
         return newest_verified(output_dir, log)
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
-    if not is_complete(path):
-        raise ValueError(
-            f"--resume {resume}: checkpoint has no {COMPLETE} marker (interrupted save); not resuming"
-        )
-    problems = verify(path)
-    if problems:
-        raise ValueError(f"--resume {resume}: checkpoint is damaged: " + "; ".join(problems))
-    return path
+    try:
+        return resolve_checkpoint(resume, log)
+    except (FileNotFoundError, ValueError) as err:
+        raise type(err)(f"--resume {resume}: {err}; not resuming") from err
 
 
 def existing_run(output_dir: str | Path) -> list[Path]:

@@ -79,6 +79,10 @@ def test_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     assert "skipping damaged checkpoint" in logged[0] and shard.name in logged[0]
     with pytest.raises(ValueError, match=r"damaged.*rank1_optim_states\.pt"):
         ckpt.resolve_resume(str(newest), tmp_path)
+    # Export and evaluation resolve checkpoints the same way.
+    with pytest.raises(ValueError, match=r"damaged.*rank1_optim_states\.pt"):
+        ckpt.resolve_checkpoint(newest)
+    assert ckpt.resolve_checkpoint(tmp_path, log=logged.append).name == "step_000002"
 
 
 def test_same_size_corruption_fails_the_checksum(tmp_path):
