@@ -44,6 +44,9 @@ from mdlmpe_ds.tracking import make_tracker
 # the update at whose save rank 0 SIGKILLs itself after DeepSpeed's shards but before COMPLETE.
 FAULT_NAN_UPDATES = "MDLMPE_DS_FAULT_NAN_UPDATES"
 FAULT_KILL_IN_SAVE = "MDLMPE_DS_FAULT_KILL_IN_SAVE"
+# Test-only: the update at whose save rank 0 waits 60 s at the same point, so that a test can kill the
+# whole job from outside while the save is under way (a tiny model's save outruns any poll).
+FAULT_PAUSE_IN_SAVE = "MDLMPE_DS_FAULT_PAUSE_IN_SAVE"
 # Test-only: after training, save the engine's logits on a probe batch to this path (export parity).
 PROBE_LOGITS = "MDLMPE_DS_PROBE_LOGITS"
 
@@ -439,6 +442,8 @@ class SFTTrainer:
         if self.rank == 0:
             if os.environ.get(FAULT_KILL_IN_SAVE) == str(self.state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ.get(FAULT_PAUSE_IN_SAVE) == str(self.state.step):
+                time.sleep(60)
             ckpt.finalize(staging, final)
             for gone in ckpt.prune(t.output_dir, t.keep_last, keep=final):
                 self.tracker.print(f"removed old checkpoint {gone}")

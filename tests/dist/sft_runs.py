@@ -90,12 +90,14 @@ def launch(
     )
 
 
-def launch_and_kill_when(args: list[str], ready, timeout: float = 240) -> str:
+def launch_and_kill_when(
+    args: list[str], ready, timeout: float = 240, extra_env: dict[str, str] | None = None
+) -> str:
     """Start a run in its own process group; SIGKILL the whole group once `ready()` is true."""
     log = Path(args[args.index("--output_dir") + 1]).with_suffix(".killed.log")
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            command(args), env=env(), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            command(args), env=env(extra_env), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         try:

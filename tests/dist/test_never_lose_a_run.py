@@ -78,19 +78,14 @@ def test_sigkill_at_random_points_then_resume_auto(sft_straight, sft_data, tmp_p
     launch_and_kill_when(args, in_training)
     assert not (out / "checkpoints" / "step_000008").exists()
 
-    def in_save() -> bool:  # the shards of update 8 are being written into the staging directory
-        return (out / "checkpoints" / "step_000008.saving" / "ds").is_dir()
+    def in_save() -> bool:  # update 8's shards are written; rank 0 holds before the swap
+        return (out / "checkpoints" / "step_000008.saving" / "trainer_state_rank1.pt").is_file()
 
-    launch_and_kill_when([*args, "--resume", "auto"], in_save)
-    # Never a half-written step_N: the kill lands while the shards are written (step_000008 absent)
-    # or, if the tiny save outran it, after the swap (then step_000008 is complete and intact).
-    eight = out / "checkpoints" / "step_000008"
-    finished = eight.exists()
-    assert not finished or (ckpt.is_complete(eight) and ckpt.verify(eight) == [])
+    launch_and_kill_when([*args, "--resume", "auto"], in_save, extra_env={"MDLMPE_DS_FAULT_PAUSE_IN_SAVE": "8"})
+    assert not (out / "checkpoints" / "step_000008").exists()  # never a half-written step_N
     resumed = launch([*args, "--resume", "auto"])
     check(resumed, "resume after two kills")
-    if not finished:
-        assert "step_000004" in resumed.stdout and "removed the interrupted save" in resumed.stdout
+    assert "step_000004" in resumed.stdout and "removed the interrupted save" in resumed.stdout
     same_history(sft_straight, out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000008"]
 
