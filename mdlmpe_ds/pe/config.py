@@ -54,7 +54,7 @@ class MDLMPEConfig:
     block_size: int = 128
     # Query/key tile of the fused Triton kernel: a power of 2, at most 64 (on a GPU at least 16).
     # None: the tile that fits the GPU for the head size and dtype
-    # (attention.triton_launch.launch_config). Separate from block_size, the blocked path's block.
+    # (attention.triton.launch.launch_config). Separate from block_size, the blocked path's block.
     triton_tile: int | None = None
     # torch.compile the blocked path's two regions (a switch; eager gives the same numbers).
     compile: bool = False

@@ -52,7 +52,7 @@ def _run_case(name: str) -> dict[str, float]:
     """Child side: reference vs kernel on one case; max abs error per output and gradient."""
     from mdlmpe_ds.attention.common import rope_attention
     from mdlmpe_ds.attention.reference import reference_attention
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     batch, hq, hkv, length, head_dim, tile, per_prog, active, pad, random_fc2, dtype, chunk = CASES[name]
     gen = torch.Generator().manual_seed(0)
@@ -160,7 +160,7 @@ def test_build_time_error_without_triton(monkeypatch):
 
 def test_rejects_learned_coordinate_gradients(monkeypatch):
     """A, D carrying grad (coordinate='mlp') is refused with the way out, not silently detached."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # passes the availability check; no kernel runs
     q = k = v = torch.zeros(1, 2, 4, 8)
@@ -206,7 +206,7 @@ def test_auto_on_cpu_runs_the_blocked_path(monkeypatch):
 def test_explicit_triton_on_cpu_tensors_is_an_error(monkeypatch):
     """Asked for by name, the kernel refuses CPU tensors (outside the interpreter) instead of failing
     deep inside a launch."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, CPU tensors

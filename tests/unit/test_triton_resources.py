@@ -2,7 +2,7 @@
 
 Every kernel (forward, dK/dV, dQ) is compiled ahead of time for sm_80 (A100) and sm_90 (H100), at
 d_h 64 and 128, bf16 and fp32, with the launch settings the launcher itself picks
-(``triton_launch.launch_config``, through ``triton_aot.compile_kernel``). A kernel whose shared
+(``triton.launch.launch_config``, through ``triton.aot.compile_kernel``). A kernel whose shared
 memory exceeds the target's per-block maximum cannot launch (Triton raises OutOfResources): that
 fails here. Registers and spill bytes per thread (``cuobjdump -res-usage``) are printed as a table
 and held to the documented bounds below, so a change that makes the kernels spill more is seen.
@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from mdlmpe_ds.attention.triton_launch import (
+from mdlmpe_ds.attention.triton.launch import (
     CHECKED_CAPABILITIES,
     CHECKED_DTYPES,
     CHECKED_HEAD_DIMS,
@@ -43,7 +43,7 @@ JOBS = [
 #: triton 3.9 for the current launch settings, +25% (at least 64: a 32-byte stack frame is always
 #: there). Spills cost local-memory traffic (L1-cached), not correctness: these bounds notice a
 #: change that makes them worse. The dK/dV kernel (the phase-MLP gradients on top of dK, dV) is the
-#: one that spills; see triton_launch.launch_config for what was tried.
+#: one that spills; see triton.launch.launch_config for what was tried.
 SPILL_BOUND = {
     ("forward", 80, 64, "bf16"): 64,  # measured 32
     ("dk_dv", 80, 64, "bf16"): 3776,  # measured 3016
@@ -74,7 +74,7 @@ SPILL_BOUND = {
 
 @pytest.fixture(scope="session")
 def resources(request):
-    from mdlmpe_ds.attention.triton_aot import compile_many
+    from mdlmpe_ds.attention.triton.aot import compile_many
 
     workers = min(2, os.cpu_count() or 1)
     results = compile_many(JOBS, workers=workers)
@@ -87,7 +87,7 @@ def resources(request):
 
 def test_launch_settings_are_one_function():
     """The launcher resolves its settings from launch_config (sm_90's in the interpreter)."""
-    from mdlmpe_ds.attention.triton_backend import resolve_launch
+    from mdlmpe_ds.attention.triton.backend import resolve_launch
 
     q = torch.zeros(1, 2, 4, 128, dtype=torch.bfloat16)
     assert resolve_launch(q) == launch_config(128, torch.bfloat16, 90)

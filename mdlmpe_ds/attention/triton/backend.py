@@ -1,7 +1,7 @@
 """Fused Triton MDLMPE attention (issue 8): the ``triton`` value of ``MDLMPEConfig.backend``.
 
 Same contract as ``reference_attention`` (the spec) plus ``block_size``; an autograd.Function
-over three kernels in ``triton_kernels`` (imported lazily: triton picks interpreter vs compiler
+over three kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
 when it decorates, so ``TRITON_INTERPRET`` must be settled first).
 
 Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
@@ -29,7 +29,7 @@ Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
   path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
   inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
   wrong in triton 3.9; the upcast is exact).
-- Launch settings: ``triton_launch.launch_config(d_h, dtype, capability)``, one function used by
+- Launch settings: ``triton.launch.launch_config(d_h, dtype, capability)``, one function used by
   the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles all three
   kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
   target's per-block limit) and ``benchmarks/bench_attention_gpu.py --compile-only``. The earlier
@@ -54,7 +54,7 @@ import os
 import torch
 
 from mdlmpe_ds.attention.common import rope_attention
-from mdlmpe_ds.attention.triton_launch import (
+from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
     kernel_constexprs,
@@ -64,7 +64,7 @@ from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 # Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
-# triton_launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
+# triton.launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
 # Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
 MAX_GPU_TILE = 64
 
@@ -127,7 +127,7 @@ class _MDLMPEAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config):
-        from mdlmpe_ds.attention import triton_kernels as kern
+        from mdlmpe_ds.attention.triton import kernels as kern
 
         plan = _Plan(q, k, w1, config)
         out = torch.empty_like(q)
@@ -160,7 +160,7 @@ class _MDLMPEAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from mdlmpe_ds.attention import triton_kernels as kern
+        from mdlmpe_ds.attention.triton import kernels as kern
 
         q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum = ctx.saved_tensors
         plan: _Plan = ctx.plan
@@ -269,7 +269,7 @@ def resolve_launch(
     num_stages: int | None = None,
     max_registers: int | None = None,
 ) -> LaunchConfig:
-    """The launch settings of a call: :func:`triton_launch.launch_config` for q's head size, dtype and
+    """The launch settings of a call: :func:`triton.launch.launch_config` for q's head size, dtype and
     GPU (sm_90's in the interpreter), with any setting given explicitly taking its place."""
     capability = 90 if q.device.type != "cuda" else device_capability(q.device)
     config = launch_config(q.shape[-1], q.dtype, capability)
@@ -309,7 +309,7 @@ def triton_attention(
     ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row
     and key tile edge; ``heads_per_program``, ``pair_chunk`` (MDLMPE pairs per alpha/beta chunk, a
     power of 2, >= 16 on a GPU), ``num_warps`` and ``num_stages`` are GPU tuning knobs; each one
-    left None comes from ``triton_launch.launch_config`` (the settings checked to fit the GPU).
+    left None comes from ``triton.launch.launch_config`` (the settings checked to fit the GPU).
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()

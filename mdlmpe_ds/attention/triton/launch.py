@@ -1,5 +1,5 @@
 """Launch settings of the fused Triton MDLMPE kernels: one function of (d_h, dtype, GPU), shared by
-the launcher (``triton_backend``), the ahead-of-time resource check (``triton_aot``, run by
+the launcher (``triton.backend``), the ahead-of-time resource check (``triton.aot``, run by
 tests/unit/test_triton_resources.py on the CPU) and ``benchmarks/bench_attention_gpu.py``.
 
 Why a table and not Triton's autotuner: the limits that matter are hard ones. Shared memory over
@@ -57,7 +57,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
     """The launch settings for head size ``head_dim``, q/k/v ``dtype`` and compute capability
     ``capability`` (e.g. 90 for sm_90), chosen from ahead-of-time compiles (table in the report of
     tests/unit/test_triton_resources.py; before/after numbers in the module docstring of
-    triton_backend).
+    triton.backend).
 
     - tile 16 everywhere: at d_h 128 a 32-tile needs 344 / 368 / 394 KiB of shared memory
       (forward / dK-dV / dQ, 3 stages) -- over every GPU's limit -- and at d_h 64 it fits sm_90 only

@@ -3,10 +3,10 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`` builds the real cubin
 on a CPU-only machine (triton ships ptxas and cuobjdump). From it: the shared memory the launch
 will request (``metadata.shared``; Triton raises OutOfResources at launch above the device's
-per-block maximum, ``triton_launch.SHARED_MEMORY_LIMIT``), and from ``cuobjdump -res-usage`` the
+per-block maximum, ``triton.launch.SHARED_MEMORY_LIMIT``), and from ``cuobjdump -res-usage`` the
 registers per thread and the spill stack (bytes of local memory per thread).
 
-The compile uses exactly what the launcher passes (``triton_launch.launch_config`` and
+The compile uses exactly what the launcher passes (``triton.launch.launch_config`` and
 ``kernel_constexprs``; pointers 16-byte aligned, as torch allocations are), at LLaDA-like dims:
 query heads = KV heads, phase MLP hidden width max(16, F / 2). Used by
 tests/unit/test_triton_resources.py and ``benchmarks/bench_attention_gpu.py --compile-only``.
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mdlmpe_ds.attention.triton_launch import (
+from mdlmpe_ds.attention.triton.launch import (
     SHARED_MEMORY_LIMIT,
     LaunchConfig,
     kernel_constexprs,
@@ -76,7 +76,7 @@ class KernelResources:
 
 
 def _kernel_fn(name: str):
-    from mdlmpe_ds.attention import triton_kernels as kern
+    from mdlmpe_ds.attention.triton import kernels as kern
 
     return {
         "forward": kern.mdlmpe_fwd_kernel,

@@ -2,7 +2,7 @@
 
 Import this module only after deciding the execution mode: triton 3.9 picks interpreter vs
 compiler when ``triton.jit`` decorates, so ``TRITON_INTERPRET=1`` must already be set by then.
-``mdlmpe_ds.attention.triton_backend`` imports it lazily, after ``check_triton_available()``.
+``mdlmpe_ds.attention.triton.backend`` imports it lazily, after ``check_triton_available()``.
 
 Layouts (made contiguous by the wrapper): q, o, dO [B, Hq, L, DH]; k, v [B, Hkv, L, DH]; A, D
 [B, L, F] fp32; key bias [B, L] fp32 (0 or finfo(float32).min); row statistics m, l, delta
