@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
     p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
     p.add_argument("--num-stages", type=int, default=None, help="Triton software-pipelining stages")
+    p.add_argument("--pair-split", type=int, default=None, help="Triton pair sub-chunks (1 or 2)")
     p.add_argument("--max-registers", type=int, default=None, help="Triton maxnreg (registers/thread)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="q, k, v dtype")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
@@ -196,12 +197,13 @@ def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
         num_warps=args.num_warps,
         num_stages=args.num_stages,
         max_registers=args.max_registers,
+        pair_split=args.pair_split,
     )
     return {k: v for k, v in given.items() if v is not None}
 
 
 def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Compile the forward, dK/dV and dQ kernels for ``--arch`` with the launcher's settings for
+    """Compile the forward and backward kernels for ``--arch`` with the launcher's settings for
     ``--head-dim`` and ``--dtype`` (plus any given on the command line) and print each cubin's
     shared memory (against the target's limit), registers and spill stack per thread."""
     from mdlmpe_ds.attention.triton.aot import compile_kernel

@@ -19,6 +19,7 @@ optimistic for the baseline as for the kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -124,9 +125,10 @@ def _mma_macs(op: str) -> tuple[float, float]:
 
 
 def _access_bytes(op: str) -> float:
-    """Bytes one warp moves with one load/store (32 lanes x width; ldmatrix .4 moves 512)."""
+    """Bytes one warp moves with one load/store (32 lanes x width; ldmatrix .4 moves 512, plain 128)."""
     if op.startswith(("LDSM", "STSM")):
-        return 128.0 * int(op.rsplit(".", 1)[1]) if op[-1].isdigit() else 512.0
+        last = op.rsplit(".", 1)[1]
+        return 128.0 * int(last) if last.isdigit() else 128.0
     width = re.search(r"\.(128|64|32|U16|S16|16|U8|S8)\b", op)
     size = {"128": 16, "64": 8, "32": 4, "U16": 2, "S16": 2, "16": 2, "U8": 1, "S8": 1}
     return 32.0 * (size[width.group(1)] if width else 4)
@@ -207,11 +209,11 @@ def flash_cost(head_dim: int, dtype: torch.dtype) -> LoopCost:
 
 
 # --------------------------------------------------------------------------------------------------
-def mdlmpe_costs(head_dim: int, dtype: torch.dtype) -> tuple[dict[str, LoopCost], object, dict]:
+def mdlmpe_costs(head_dim: int, dtype: torch.dtype, config=None) -> tuple[dict[str, LoopCost], object, dict]:
     from mdlmpe_ds.attention.triton.aot import compile_cubin, resource_usage, sass
     from mdlmpe_ds.attention.triton.launch import KERNELS, launch_config
 
-    config = launch_config(head_dim, dtype, 90)
+    config = config or launch_config(head_dim, dtype, 90)
     costs, resources = {}, {}
     for kernel in KERNELS:
         compiled = compile_cubin(kernel, head_dim, dtype, 90, config, num_heads=LLADA["heads"])
@@ -277,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--heads-per-program", type=int, default=None, help="override the launch setting")
+    p.add_argument("--pair-chunk", type=int, default=None, help="override the launch setting")
+    p.add_argument("--num-warps", type=int, default=None, help="override the launch setting")
     p.add_argument("--json", default=None, help="also write the counts and estimates here")
     args = p.parse_args(argv)
     try:
@@ -285,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         print("estimate_gpu: triton is not installed; nothing to compile", file=sys.stderr)
         return 1
     dtype = getattr(torch, args.dtype)
-    costs, config, resources = mdlmpe_costs(LLADA["head_dim"], dtype)
+    from mdlmpe_ds.attention.triton.launch import launch_config
+
+    config = launch_config(LLADA["head_dim"], dtype, 90)
+    overrides = dict(
+        heads_per_program=args.heads_per_program, pair_chunk=args.pair_chunk, num_warps=args.num_warps
+    )
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    costs, config, resources = mdlmpe_costs(LLADA["head_dim"], dtype, config)
     flash = flash_cost(LLADA["head_dim"], dtype)
     from mdlmpe_ds.attention.triton.launch import heads_per_program
 
@@ -306,12 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [estimate(costs, config, flash, length, groups) for length in args.lengths]
     print("\nESTIMATED time per layer (fwd + bwd) and per LLaDA-8B step, batch 1:")
     for r in rows:
+        kernels = ", ".join(f"{k} {r[f'{k}_ms']:.2f}" for k in costs)
         print(
-            f"  L={r['length']:>5}: MDLMPE layer {r['mdlmpe_layer_ms']:8.2f} ms (fwd {r['forward_ms']:.2f}, "
-            f"dK/dV {r['dk_dv_ms']:.2f}, dQ {r['dq_ms']:.2f}), RoPE flash layer {r['rope_layer_ms']:.3f} ms "
-            f"(x{r['layer_ratio']:.1f}); rest of step {r['rest_of_step_ms']:.0f} ms; step RoPE "
-            f"{r['rope_step_ms']:.0f} ms, MDLMPE {r['mdlmpe_step_ms']:.0f} ms: "
-            f"ESTIMATED step ratio {r['step_ratio']:.2f}x"
+            f"  L={r['length']:>5}: MDLMPE layer {r['mdlmpe_layer_ms']:8.2f} ms ({kernels}), RoPE flash "
+            f"layer {r['rope_layer_ms']:.3f} ms (x{r['layer_ratio']:.1f}); rest of step "
+            f"{r['rest_of_step_ms']:.0f} ms; step RoPE {r['rope_step_ms']:.0f} ms, MDLMPE "
+            f"{r['mdlmpe_step_ms']:.0f} ms: ESTIMATED step ratio {r['step_ratio']:.2f}x"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -73,7 +73,7 @@ def test_estimate_prints_every_assumption(flash):
     from mdlmpe_ds.attention.triton.launch import launch_config
 
     config = launch_config(128, torch.bfloat16, 90)
-    costs = {k: flash for k in ("forward", "dk_dv", "dq")}
+    costs = {k: flash for k in ("forward", "backward")}
     row = est.estimate(costs, config, flash, 2048, 2)
     assert row["step_ratio"] > 1 and row["rope_step_ms"] > row["rest_of_step_ms"] > 0
     text = "\n".join(est.assumptions(config, torch.bfloat16))

@@ -80,8 +80,7 @@ def _kernel_fn(name: str):
 
     return {
         "forward": kern.mdlmpe_fwd_kernel,
-        "dk_dv": kern.mdlmpe_bwd_dkdv_kernel,
-        "dq": kern.mdlmpe_bwd_dq_kernel,
+        "backward": kern.mdlmpe_bwd_kernel,
     }[name]
 
 
@@ -114,7 +113,7 @@ def compile_cubin(
     num_heads: int = 32,
 ):
     """Triton's compiled kernel (``.asm["cubin"]``, ``.metadata.shared``) of ``kernel`` ("forward",
-    "dk_dv" or "dq") for sm_``capability``, with the launch settings the launcher would use
+    "backward") for sm_``capability``, with the launch settings the launcher would use
     (``config`` overrides them, for sweeps), at ``num_heads`` query = KV heads."""
 
     config = config or launch_config(head_dim, dtype, capability)
@@ -130,6 +129,7 @@ def compile_cubin(
         heads=config.heads_per_program,
         chunk=config.pair_chunk,
         interpreting=False,
+        split=config.pair_split,
     )
     return compile_function(_kernel_fn(kernel), meta, dtype, capability, config)
 
