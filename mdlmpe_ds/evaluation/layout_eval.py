@@ -254,3 +254,28 @@ def scores_to_json(scores: dict[str, WindowScores]) -> dict:
 
 def scores_from_json(saved: dict) -> dict[str, WindowScores]:
     return {layout: WindowScores(**s) for layout, s in saved.items()}
+
+
+def layout_markdown(table: dict, corpus: str) -> str:
+    """``summarise``'s table as markdown: NLL per model and layout (± s.e. over windows), then each
+    model's paired difference to the reference."""
+    models = table["models"]
+    layouts = list(table["nll"][models[0]])
+    lines = [
+        f"NLL per token by corruption layout on {corpus} (nats, ± s.e. over windows):",
+        "",
+        "| model | " + " | ".join(layouts) + " |",
+        "|---|" + "---|" * len(layouts),
+    ]
+    for m in models:
+        cells = [f"{table['nll'][m][x]['nll']:.4f} ± {table['nll'][m][x]['se']:.4f}" for x in layouts]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| tokens scored | "
+        + " | ".join(str(int(table["nll"][models[0]][x]["tokens"])) for x in layouts)
+        + " |"
+    )
+    for m, cells in table["paired"].items():
+        diffs = [f"{cells[x]['delta']:+.4f} ± {cells[x]['se']:.4f}" for x in layouts]
+        lines.append(f"| {m} − {table['reference']} (paired) | " + " | ".join(diffs) + " |")
+    return "\n".join(lines)

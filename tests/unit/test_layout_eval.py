@@ -165,3 +165,44 @@ def test_knockout_keeps_the_visible_count_and_is_a_noop_for_rope():
     for layout in settings.layouts:
         delta, _ = paired_difference(knocked[layout].loss, plain[layout].loss, plain[layout].tokens)
         assert delta == 0.0
+
+
+def test_evaluate_cli_by_layout_pairs_models_on_the_same_masks(tmp_path, assets):
+    """launch/evaluate.py --corruption: a model paired with itself differs by exactly 0; RoPE and
+    MDLMPE models are scored on the same tokens under every layout."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.pretraining import sentencepiece_for_corpus
+
+    corpus = str(assets("botchan").botchan)
+    tokenizer = AutoTokenizer.from_pretrained(str(sentencepiece_for_corpus(corpus, 400, cache_root=tmp_path)))
+    dirs = []
+    for name, encoding in (("rope", "rope"), ("rope_again", "rope"), ("mdlmpe", "mdlmpe")):
+        torch.manual_seed(0)
+        config = preset(
+            "llada-tiny", vocab_size=448, mask_token_id=tokenizer.mask_token_id, position_encoding=encoding,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, max_seq_len=32,
+        )  # fmt: skip
+        save_pretrained(DiffusionLM(config), tmp_path / name, config)
+        tokenizer.save_pretrained(str(tmp_path / name))
+        dirs.append(str(tmp_path / name))
+    spec = importlib.util.spec_from_file_location(
+        "evaluate_cli", Path(__file__).parents[2] / "launch" / "evaluate.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "layouts"
+    args = [*dirs, "--corpora", corpus, "--max_sequences", "4", "--num_samples", "2", "--batch_size", "2"]
+    assert cli.main([*args, "--corruption", "iid", "semi_ar", "spans", "--out", str(out)]) == 0
+    table = json.loads(out.with_suffix(".json").read_text())["tables"][corpus]
+    assert table["reference"] == "rope"
+    for layout in ("iid", "semi_ar", "spans"):
+        assert table["paired"]["rope_again"][layout]["delta"] == 0.0
+        assert table["paired"]["mdlmpe"][layout]["delta"] != 0.0
+        assert table["nll"]["rope"][layout]["tokens"] == table["nll"]["mdlmpe"][layout]["tokens"] > 0
+    assert "| mdlmpe − rope (paired) |" in out.with_suffix(".md").read_text()
