@@ -1,7 +1,8 @@
 """The mechanism study's evaluation and report (launch/mechanism_study.py, issue 22).
 
 For every trained run: the paired layout evaluation (``layout_eval.score_layouts``) on the same
-windows and masks, and for MDLMPE runs also under the two layout knockouts (``knockout.py``). Each
+windows and masks, and again under the two layout knockouts (``knockout.py``; RoPE runs get the
+shuffle knockout only, as the control that must change nothing). Each
 run's sums are cached in ``<run>/mechanism_eval.json`` keyed by the settings and the corpus, so a
 re-run scores only what is missing. The report pairs, per seed, MDLMPE against RoPE (same seed:
 same initial-weight seed, data order and training masks) and each knockout against the plain
@@ -34,7 +35,7 @@ CACHE = "mechanism_eval.json"
 def evaluate_run(
     directory: Path, corpus: str, settings: LayoutEvalSettings
 ) -> dict[str, dict[str, WindowScores]]:
-    """``{"plain": scores, "shuffle": ..., "constant": ...}`` of one run (knockouts for MDLMPE
+    """``{"plain": scores, "shuffle": ..., "constant": ...}`` of one run (``constant`` for MDLMPE
     only), from the cache when it was made with the same settings and corpus."""
     from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
@@ -42,7 +43,10 @@ def evaluate_run(
     cache = directory / CACHE
     if cache.is_file():
         saved = json.loads(cache.read_text())
-        if json.loads(json.dumps(wanted)) == {k: saved.get(k) for k in wanted}:
+        if (
+            json.loads(json.dumps(wanted)) == {k: saved.get(k) for k in wanted}
+            and "shuffle" in saved["scores"]
+        ):
             return {name: scores_from_json(s) for name, s in saved["scores"].items()}, True
     model, tok_dir = load_model(directory)
     tokenizer = load_tokenizer(tok_dir)
@@ -53,10 +57,10 @@ def evaluate_run(
         return model(ids, valid=valid)
 
     out = {"plain": score_layouts(logits, batches, mask_id, settings)}
-    if model.config.position_encoding == "mdlmpe":
-        for mode in KNOCKOUTS:
-            with layout_knockout(model, mode, seed=settings.seed):
-                out[mode] = score_layouts(logits, batches, mask_id, settings)
+    modes = KNOCKOUTS if model.config.position_encoding == "mdlmpe" else ("shuffle",)
+    for mode in modes:
+        with layout_knockout(model, mode, seed=settings.seed):
+            out[mode] = score_layouts(logits, batches, mask_id, settings)
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps({**wanted, "scores": {k: scores_to_json(v) for k, v in out.items()}}) + "\n")
     tmp.replace(cache)
@@ -129,8 +133,14 @@ def summarise_study(
             ]
             if cells:
                 out["knockout"][mode][layout] = _across(cells)
-    if ("rope", seeds[0]) in evaluated:  # the control: a RoPE model has no features to knock out
-        out["rope_knockout_is_noop"] = True
+    control = [
+        _pair(evaluated[("rope", s)]["shuffle"][layout], evaluated[("rope", s)]["plain"][layout], nb)["delta"]
+        for s in seeds
+        if ("rope", s) in evaluated
+        for layout in layouts
+    ]
+    if control:  # a RoPE model has no availability features: its knockout must change nothing
+        out["rope_knockout_max_abs_delta"] = max(abs(d) for d in control)
     return out
 
 
@@ -201,7 +211,13 @@ def markdown(summary: dict, settings: LayoutEvalSettings, meta: dict) -> str:
             "",
             "A and D rebuilt from the visible indicator shuffled within each row (same count) or made "
             "constant at the row's visible fraction; token ids unchanged. Positive: the model uses "
-            "where the visible tokens are. Exactly 0 for RoPE.",
+            "where the visible tokens are."
+            + (
+                f" Control: the shuffle knockout of the RoPE models changes their NLL by at most "
+                f"{summary['rope_knockout_max_abs_delta']:.1e} nats (no features to knock out)."
+                if "rope_knockout_max_abs_delta" in summary
+                else ""
+            ),
             "",
             "| layout | " + " | ".join(summary["knockout"]) + " |",
             "|---|" + "---|" * len(summary["knockout"]),

@@ -47,6 +47,7 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
     assert paired["mean"] != 0.0 and paired["paired_se_of_mean"] > 0
     for mode in ("shuffle", "constant"):
         assert set(summary["knockout"][mode]) == set(summary["layouts"])
+    assert summary["rope_knockout_max_abs_delta"] == 0.0  # RoPE: nothing to knock out, exactly
     md = (out / "mechanism.md").read_text()
     assert "# Does MDLMPE use the mask layout?" in md and "| semi_ar |" in md
     assert (out / "mechanism.png").read_bytes()[:4] == b"\x89PNG"
