@@ -158,8 +158,9 @@ def pretrain_corruption(
     masks for every model compared, a fresh draw every epoch. ``layout`` (``train.corruption``,
     ``diffusion/layouts.py``): ``iid`` is LLaDA's process; ``semi_ar`` / ``spans`` / ``mix`` mask
     structured layouts. LLaDA's loss divides by B L, so its ``p`` is scaled by the row's scope
-    fraction (1 for iid, bit for bit): every row then weighs as a per-token estimate of its scope.
-    CPU tensors.
+    fraction (1 for iid, bit for bit): every row then weighs as a per-token estimate of its scope
+    (so ``train/nll_by_t`` bins a semi_ar row by that scaled p; per-layout NLLs at the true t come
+    from ``launch/evaluate.py --corruption``). CPU tensors.
     """
     from mdlmpe_ds.diffusion.layouts import corrupt_layout
 
