@@ -71,14 +71,15 @@ class WindowScores:
 
 
 def ratio_se(x: torch.Tensor, n: torch.Tensor) -> tuple[float, float]:
-    """(sum x / sum n, its linearised standard error over the N units; module doc)."""
+    """(sum x / sum n, its linearised standard error over the N units; module doc). The error is
+    NaN when fewer than two units have n > 0."""
     x, n = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(n, dtype=torch.float64)
     total = float(n.sum())
     if total == 0:
         return float("nan"), float("nan")
     r = float(x.sum()) / total
     units = x.numel()
-    if units < 2:
+    if int((n > 0).sum()) < 2:  # one contributing unit: no spread to estimate an error from
         return r, float("nan")
     resid = x - r * n
     return r, math.sqrt(units / (units - 1) * float((resid**2).sum())) / total

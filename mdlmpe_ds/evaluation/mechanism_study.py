@@ -232,8 +232,8 @@ def markdown(summary: dict, settings: LayoutEvalSettings, meta: dict) -> str:
 
 
 def figure(summary: dict, path: Path, title: str) -> Path:
-    """Left: MDLMPE − RoPE per layout; right: the knockouts per layout (per-seed points, mean ±
-    2 paired s.e.)."""
+    """Left: MDLMPE − RoPE per layout; middle: the knockouts per layout (per-seed points, mean ±
+    2 paired s.e.); right: MDLMPE − RoPE masked-token CE per local-density-deviation bucket."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,7 +242,7 @@ def figure(summary: dict, path: Path, title: str) -> Path:
     layouts = summary["layouts"]
     panels = [("MDLMPE − RoPE", {"mdlmpe − rope": summary.get("mdlmpe_minus_rope", {})})]
     panels.append(("layout knockout (MDLMPE)", {m: summary["knockout"][m] for m in summary["knockout"]}))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=False)
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.6), sharey=False)
     for ax, (name, series) in zip(axes, panels):
         width = 0.8 / max(1, len(series))
         for k, (label, cells) in enumerate(series.items()):
@@ -260,6 +260,22 @@ def figure(summary: dict, path: Path, title: str) -> Path:
         ax.set_ylabel("Δ NLL (nats / token)")
         if series:
             ax.legend(fontsize=7)
+    ax = axes[2]
+    diff = summary.get("mdlmpe_minus_rope", {})
+    for k, layout in enumerate(layouts):
+        cells = diff.get(layout, {}).get("buckets", [])
+        xs = [j + (k - (len(layouts) - 1) / 2) * 0.2 for j, c in enumerate(cells) if c["tokens"]]
+        kept = [c for c in cells if c["tokens"]]
+        if kept:
+            ax.errorbar(xs, [c["mean"] for c in kept], yerr=[2 * c["paired_se_of_mean"] for c in kept],
+                        fmt="o-", capsize=3, color=f"C{k}", label=layout)  # fmt: skip
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(summary["buckets"])), summary["buckets"], fontsize=7)
+    ax.set_xlabel("|local visible fraction − (1 − t)|", fontsize=8)
+    ax.set_ylabel("Δ masked-token CE (nats)")
+    ax.set_title("MDLMPE − RoPE by local-density deviation", fontsize=9)
+    if diff:
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,8 @@ def test_paired_standard_error_hand_computed():
     # Unequal sizes: x = 1, 4 on n = 1, 3 -> R = 5/4; resid = -0.25, 0.25; SE = sqrt(2 * 0.125) / 4.
     r, se = ratio_se(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 3.0]))
     assert r == pytest.approx(1.25) and se == pytest.approx(math.sqrt(0.25) / 4)
+    # One window holding every token: no spread to estimate an error from.
+    assert math.isnan(ratio_se([0.0, 3.0, 0.0], [0.0, 2.0, 0.0])[1])
     # Unpaired errors of the two means are much larger than the paired one here.
     assert ratio_se([3.0, 5.0, 4.0], [2.0, 2.0, 2.0])[1] > 0 and se > 0
 
