@@ -1,9 +1,10 @@
 """launch/mechanism_study.py end to end at toy size (2 two-rank ZeRO-3 pretraining runs on the
-``mix`` corruption, paired layout evaluation, knockouts, report), then run again: finished runs
-and evaluations are reused and the report is the same.
+``mix`` corruption, paired layout evaluation, knockouts, report): interrupted after one update
+and resumed by the same command, then run again: finished runs and evaluations are reused and
+the report is the same.
 
 Data: the real Botchan novel (offline assets) with a 400-piece SentencePiece tokenizer.
-Cost: ~1 min on 2 shared cores (two tiny 2-update runs, 4 windows x 2 draws scored).
+Cost: ~1.5 min on 2 shared cores (three tiny launches, 4 windows x 2 draws scored).
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
         "--out", str(out), "--deepspeed", str(DS_CONFIG), "--corpus", corpus,
         "--tokenizer", str(tok), "--dataset", corpus, "--validation", corpus,
     ]  # fmt: skip
+    # Interrupted: the first run stops after update 1 (a checkpoint, no summary), the study fails
+    # naming what to do; the same command then resumes that run and trains the other.
+    stopped = subprocess.run([*args, "--stop_at", "1"], env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert stopped.returncode != 0 and "run the same command again" in stopped.stderr
+    rope_run = out / "runs" / "rope-seed0"
+    assert (rope_run / "checkpoints" / "step_000001").is_dir() and not (rope_run / "summary.json").exists()
     first = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=400, cwd=REPO)
     check(first, "mechanism_study --toy")
+    assert "resumed from" in (rope_run / "train.log").read_text()
     report = json.loads((out / "mechanism.json").read_text())
     summary = report["summary"]
     assert summary["layouts"] == ["iid", "semi_ar", "spans"] and summary["seeds"] == [0]
