@@ -1,4 +1,4 @@
-"""Does MDLMPE use the mask layout? One command (issue 22): train, pair, knock out, report.
+"""Does MDLMPE use the mask layout? One command: train, pair, knock out, report.
 
 Pretrains a RoPE and an MDLMPE model per seed, matched in everything but the position module (as
 launch/compare_pe.py), on the ``mix`` corruption (50% iid, 25% semi-autoregressive blocks, 25%

@@ -1,4 +1,4 @@
-"""Structured corruption layouts for masked-diffusion pretraining and evaluation (issue 22).
+"""Structured corruption layouts for masked-diffusion pretraining and evaluation.
 
 Every layout is drawn from the generator of ``(seed, window index, sample)``
 (``data.pretrain.corruption_generator``; ``sample`` is the epoch in training, the draw index in

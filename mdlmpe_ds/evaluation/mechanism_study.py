@@ -1,4 +1,4 @@
-"""The mechanism study's evaluation and report (launch/mechanism_study.py, issue 22).
+"""The mechanism study's evaluation and report (launch/mechanism_study.py).
 
 For every trained run: the paired layout evaluation (``layout_eval.score_layouts``) on the same
 windows and masks, and again under the two layout knockouts (``knockout.py``; RoPE runs get the

@@ -97,7 +97,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# The mechanism study (launch/mechanism_study.py, issue 22): heads of d_h 32 (F = 16 rotary pairs),
+# The mechanism study (launch/mechanism_study.py): heads of d_h 32 (F = 16 rotary pairs),
 # so that at L = 256 (W = 48) the MDLMPE basis varies inside the window; ~0.35M non-embedding parameters.
 _PRESETS["llada-mech"] = {
     **_PRESETS["llada-tiny"],
