@@ -17,7 +17,7 @@ Run on a CUDA machine (exits with a message otherwise):
     python benchmarks/bench_attention_gpu.py --json bench_gpu.json
 Triton launch settings not given on the command line (tile, heads per program, pair chunk, warps,
 stages) are the backend's own (``triton.launch.launch_config`` for the head size, dtype and GPU).
-Without a GPU, ``--compile-only`` compiles the three kernels ahead of time for ``--arch`` (sm_90,
+Without a GPU, ``--compile-only`` compiles the two kernels ahead of time for ``--arch`` (sm_90,
 H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as the launcher
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.

@@ -83,7 +83,7 @@ def check_triton_available() -> None:
 
 
 class _Plan:
-    """Static launch parameters shared by the three kernels of one call."""
+    """Static launch parameters shared by the two kernels of one call."""
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig, tau_max: float

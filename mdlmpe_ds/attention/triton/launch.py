@@ -40,7 +40,7 @@ _warned: set[int] = set()
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Static launch parameters of the three kernels.
+    """Static launch parameters of the two kernels (forward, backward).
 
     ``tile``: row and key tile edge (BM = BN); ``heads_per_program``: query heads sharing one
     alpha/beta tile (G, rounded down to a power-of-2 divisor of Hq at launch); ``pair_chunk``:
@@ -135,7 +135,7 @@ def kernel_constexprs(
     tau_max: float = 0.25,
     split: int = 2,
 ) -> dict[str, object]:
-    """The kernels' tl.constexpr arguments for one call (the same for the three kernels).
+    """The kernels' tl.constexpr arguments for one call (the same for both kernels).
 
     Every padded extent is a power of 2, at least 16 on a GPU (tile products need every dimension
     >= 16); the interpreter has no such floor. PREC: TF32 tile products for 16-bit inputs, IEEE for
