@@ -90,7 +90,7 @@ class PackedTokenDataset(Dataset):
 
     @classmethod
     def from_store(cls, store, seq_len: int) -> PackedTokenDataset:
-        """Windows over a token store's read-only map: a window reads only its own slice."""
+        """Windows over a token store: a window reads only its own ids from the file."""
         return cls(store.tokens, store.doc_ends, seq_len, store.separator_id, store=store)
 
     @classmethod
@@ -200,7 +200,10 @@ class PackedTokenDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} packed sequences")
         start = index * self.seq_len
-        window = self.stream[start : start + self.seq_len].astype(np.int64)  # [seq_len], a copy
+        if self.store is not None:
+            window = self.store.read(start, self.seq_len)  # [seq_len] int64, from the file
+        else:
+            window = self.stream[start : start + self.seq_len].astype(np.int64)  # [seq_len], a copy
         window = torch.from_numpy(window)
         return {"input_ids": window, "index": index}
 

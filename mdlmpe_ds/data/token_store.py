@@ -11,8 +11,10 @@ Layout of a store directory::
     COMPLETE       written last: a directory without it is never read
 
 The token sequence is exactly the in-memory stream of ``PackedTokenDataset`` (same documents, same
-separators), so windows cut from the map are the same tokens and keep the same indices, and the
-index-keyed corruption draws do not change.
+separators), so windows cut from the store are the same tokens and keep the same indices, and the
+index-keyed corruption draws do not change. Every rank maps the files read-only (``tokens``,
+``doc_ends``); training windows are read with ``pread`` (``TokenStore.read``) so that the pages a
+rank has read stay in the shared page cache and out of its resident memory.
 
 Building is crash-safe: the store is written into a staging directory next to its final place and
 renamed into place after ``COMPLETE``; a builder holds an exclusive ``flock`` on ``<name>.lock``
@@ -71,10 +73,30 @@ class TokenStore:
     manifest: dict[str, Any]
     tokens: np.ndarray
     doc_ends: np.ndarray
+    _fd: int | None = None
 
     @property
     def separator_id(self) -> int:
         return int(self.manifest["separator_id"])
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Ids ``[start, start + count)`` as a new int64 array [count], read with ``pread``.
+
+        Same values as ``tokens[start:start + count]``, but the bytes go through the page cache
+        only, never into this process's mapping: a rank's resident memory stays flat however much
+        of the corpus it has read (touched pages of a map count in its RSS until evicted).
+        """
+        if not 0 <= start <= start + count <= self.tokens.shape[0]:
+            raise IndexError(f"{self.path / TOKENS}: ids [{start}, {start + count}) out of range")
+        if self._fd is None:
+            self._fd = os.open(self.path / TOKENS, os.O_RDONLY)
+        dtype = self.tokens.dtype
+        raw = os.pread(self._fd, count * dtype.itemsize, start * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype).astype(np.int64)
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> TokenStore:
