@@ -128,6 +128,9 @@ def test_store_format_dtype_and_damage_are_named(tmp_path):
     store = build_store(tmp_path / "s", docs, separator_id=0, vocab_size=65536, manifest={"source": "x"})
     assert store.tokens.tolist() == [5, 6, 7, 0, 8, 0, 65535, 2, 0] and store.doc_ends.tolist() == [4, 6, 9]
     assert store.manifest["source"] == "x" and store.manifest["num_documents"] == 3
+    assert store.read(2, 5).tolist() == [7, 0, 8, 0, 65535] and store.read(2, 5).dtype == np.int64
+    with pytest.raises(IndexError, match="out of range"):
+        store.read(7, 3)
     with pytest.raises(ValueError, match="65536 does not fit in uint16"):
         build_store(tmp_path / "t", [[65536]], separator_id=0, vocab_size=100)
     assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.staging*"))
