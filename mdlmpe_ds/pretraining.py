@@ -275,7 +275,7 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
         return None
     packed = load_packed_corpus(
         d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-        cache_dir=store_dir(run), role="eval",
+        cache_dir=store_dir(run), role="eval", workers=d.build_workers,
     )  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
@@ -312,6 +312,7 @@ def run_pretrain(
         return load_packed_corpus(
             d.dataset, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
             max_documents=d.max_documents, cache_dir=store_dir(run), role="train",
+            workers=d.build_workers,
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)

@@ -124,12 +124,15 @@ def load_packed_corpus(
     cache_dir: str | Path | None = None,
     role: str = "eval",
     streaming: bool | None = None,
+    workers: int | None = None,
 ) -> PackedTokenDataset:
     """Tokenise and pack the corpus ``spec`` (module doc) into ``seq_len`` windows.
 
     ``split`` overrides the document convention of .txt files (``file|paragraph|line``).
     ``role``: ``train`` or ``eval``, which split a named hub corpus means (data/named_corpora.py).
     ``streaming`` overrides a named hub corpus's own choice (the result is the same).
+    ``workers``: processes tokenising a store's build (data/parallel_tokenize.py; same ids); None:
+    this machine's CPUs (up to 32) for a named hub corpus, else 1.
 
     ``cache_dir``: the corpus is tokenised once into a token store there (data/token_store.py),
     under a key of what it depends on (the files' paths, sizes and mtimes or the hub name and
@@ -147,13 +150,16 @@ def load_packed_corpus(
     if cache_dir is None:
         return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
     from mdlmpe_ds.data.fingerprint import store_fingerprints
-    from mdlmpe_ds.data.pretrain import token_documents
+    from mdlmpe_ds.data.parallel_tokenize import default_workers, parallel_token_documents
     from mdlmpe_ds.data.token_store import open_or_build
+
+    if workers is None:
+        workers = default_workers() if named.is_hub_corpus(spec) else 1
 
     options = {"text_column": text_column, "max_documents": max_documents, "separator": sep}
     path = Path(cache_dir) / f"store-{_cache_key(source, tokenizer, options)}"
     store = open_or_build(
-        path, lambda: token_documents(texts(), tokenizer), separator_id=sep,
+        path, lambda: parallel_token_documents(texts(), tokenizer, workers), separator_id=sep,
         vocab_size=max(_vocab_size(tokenizer), sep + 1),
         manifest={"source": source, "options": options, "tokenizer": _tokenizer_name(tokenizer)},
         fingerprint=store_fingerprints(tokenizer), log=_log,

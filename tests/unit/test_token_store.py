@@ -206,8 +206,13 @@ def test_streaming_build_equals_non_streaming_build(hub, gpt2, tmp_path, monkeyp
         named.HUB_CORPORA, "openwebtext", dataclasses.replace(named.HUB_CORPORA["openwebtext"], heldout=40)
     )
     kw = {"role": "train", "separator_id": None}
-    streamed = load_packed_corpus("openwebtext", gpt2, 32, cache_dir=tmp_path / "a", streaming=True, **kw)
-    loaded = load_packed_corpus("openwebtext", gpt2, 32, cache_dir=tmp_path / "b", streaming=False, **kw)
+    # Streamed and tokenised by 2 worker processes vs downloaded and tokenised here: the same store.
+    streamed = load_packed_corpus(
+        "openwebtext", gpt2, 32, cache_dir=tmp_path / "a", streaming=True, workers=2, **kw
+    )
+    loaded = load_packed_corpus(
+        "openwebtext", gpt2, 32, cache_dir=tmp_path / "b", streaming=False, workers=1, **kw
+    )
     assert np.array_equal(streamed.stream, loaded.stream) and np.array_equal(
         streamed.doc_ends, loaded.doc_ends
     )
