@@ -15,7 +15,7 @@ corpus is the same text ten times over (as more documents). For each size:
 
 Prints one table; ratios compare the 10x and 1x corpus measured in the same run.
 
-    python benchmarks/bench_data.py [--tokenizer gpt2|qwen] [--repeat 10] [--seq_len 1024]
+    python benchmarks/bench_data.py [--tokenizer gpt2|qwen] [--repeat 10] [--seq_len 1024] [--workers N]
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def _tokenizer(name: str):
     return AutoTokenizer.from_pretrained(str(getattr(paths, f"{part}_dir")))
 
 
-def build(corpus: Path, tok_name: str, stores: Path, seq_len: int) -> dict:
+def build(corpus: Path, tok_name: str, stores: Path, seq_len: int, workers: int) -> dict:
     from mdlmpe_ds.data.corpora import load_packed_corpus
 
     tok = _tokenizer(tok_name)
     start = time.perf_counter()
-    ds = load_packed_corpus(str(corpus), tok, seq_len, split="paragraph", cache_dir=stores, role="train")
+    ds = load_packed_corpus(
+        str(corpus), tok, seq_len, split="paragraph", cache_dir=stores, role="train", workers=workers
+    )
     seconds = time.perf_counter() - start
     path = ds.store.path
     disk = sum(f.stat().st_size for f in path.iterdir())
@@ -109,6 +111,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--micro_batch", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=1, help="tokenising processes of the build")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--_iterate", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,7 +129,7 @@ def main() -> int:
         for scale in (1, args.repeat):
             corpus = work / f"shakespeare_x{scale}.txt"
             corpus.write_text("\n\n".join([text] * scale), encoding="utf-8")
-            built = build(corpus, args.tokenizer, work / f"stores_x{scale}", args.seq_len)
+            built = build(corpus, args.tokenizer, work / f"stores_x{scale}", args.seq_len, args.workers)
             for mode in MODES:
                 cmd = [sys.executable, __file__, "--seq_len", str(args.seq_len), "--micro_batch",
                        str(args.micro_batch), "--_iterate", built["store"], mode]  # fmt: skip
@@ -138,7 +141,10 @@ def main() -> int:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"tokenizer {args.tokenizer}, windows of {args.seq_len}, micro-batches of {args.micro_batch}")
+    print(
+        f"tokenizer {args.tokenizer}, windows of {args.seq_len}, micro-batches of {args.micro_batch}, "
+        f"{args.workers} tokenising process(es), {os.cpu_count()} CPUs"
+    )
     print(
         f"{'corpus':>7} {'mode':>9} {'tokens':>12} {'build s':>8} {'tok/s':>10} {'B/token':>8} "
         f"{'disk MB':>8} {'peak RSS MB':>12} {'added MB':>9} {'windows/s':>10}"

@@ -266,3 +266,46 @@ def _cache_key(source: dict[str, Any], tokenizer, options: dict[str, Any]) -> st
     h = hashlib.sha256(json.dumps({"source": source, "options": options}, sort_keys=True).encode())
     h.update(vocab.encode())
     return h.hexdigest()[:24]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mdlmpe_ds.data.corpora prepare SPEC --tokenizer T --store_dir D``: build the token
+    stores a pretraining run with these settings maps (training and held-out/evaluation roles), ahead
+    of the run, so that its ranks do not wait for the build on the setup barrier."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.hub.resolve import resolve_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m mdlmpe_ds.data.corpora", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="build the token stores of a corpus")
+    prep.add_argument("spec", help="a corpus as --dataset / --validation take it (e.g. openwebtext)")
+    prep.add_argument(
+        "--tokenizer", required=True, help="tokenizer directory or hub id (the run's data.tokenizer)"
+    )
+    prep.add_argument("--store_dir", required=True, help="the run's data.store_dir")
+    prep.add_argument("--role", choices=("train", "eval", "both"), default="both")
+    prep.add_argument("--workers", type=int, default=None, help="tokenising processes (data.build_workers)")
+    prep.add_argument("--text_split", default=None)
+    prep.add_argument("--text_column", default="text")
+    prep.add_argument("--max_documents", type=int, default=None, help="training role only, as in a run")
+    args = parser.parse_args(argv)
+    path = args.tokenizer if Path(args.tokenizer).exists() else str(resolve_tokenizer(args.tokenizer))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for role in ("train", "eval") if args.role == "both" else (args.role,):
+        ds = load_packed_corpus(
+            args.spec, tokenizer, 1, split=args.text_split, text_column=args.text_column,
+            max_documents=args.max_documents if role == "train" else None, cache_dir=args.store_dir,
+            role=role, workers=args.workers,
+        )  # fmt: skip
+        m = ds.store.manifest
+        print(
+            f"{args.spec} ({role}): {ds.store.path}: {m['num_tokens']:,} tokens, {m['num_documents']:,} docs"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

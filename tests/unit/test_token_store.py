@@ -229,6 +229,30 @@ def test_streaming_build_equals_non_streaming_build(hub, gpt2, tmp_path, monkeyp
     assert streamed.stream[: len(first_train)].tolist() == first_train
 
 
+def test_prepare_command_builds_the_stores_a_run_maps(hub, assets, tmp_path, monkeypatch, capsys):
+    """``python -m mdlmpe_ds.data.corpora prepare`` ahead of a run: the run's own calls (as
+    pretraining.py makes them) find both stores and build nothing."""
+    from mdlmpe_ds.data import corpora
+
+    monkeypatch.setitem(
+        named.HUB_CORPORA, "openwebtext", dataclasses.replace(named.HUB_CORPORA["openwebtext"], heldout=40)
+    )
+    tok_dir = str(assets("gpt2_tokenizer").gpt2_tokenizer_dir)
+    stores = tmp_path / "stores"
+    assert corpora.main(["prepare", "openwebtext", "--tokenizer", tok_dir, "--store_dir", str(stores)]) == 0
+    assert (
+        "openwebtext (train)" in capsys.readouterr().out and len(list(stores.glob("store-*/COMPLETE"))) == 2
+    )
+    monkeypatch.setattr("mdlmpe_ds.data.token_store.build_store", lambda *a, **k: pytest.fail("rebuilt"))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    train = load_packed_corpus("openwebtext", tok, 1024, text_column="text", cache_dir=stores, role="train")
+    held = load_packed_corpus("openwebtext", tok, 1024, cache_dir=stores, role="eval")
+    assert train.store.manifest["source"]["rows"] == [40, None] and held.store.manifest["source"]["rows"] == [
+        0,
+        40,
+    ]
+
+
 # ------------------------------------------------------------------------------------ named corpora
 def test_named_corpora_resolve_offline_with_their_splits_and_detokenizers(hub, gpt2, assets):
     wiki = [t for t in named.selection_texts(named.select("wikitext-103", "eval"))]
