@@ -137,8 +137,8 @@ def load_packed_corpus(
     ``cache_dir``: the corpus is tokenised once into a token store there (data/token_store.py),
     under a key of what it depends on (the files' paths, sizes and mtimes or the hub name and
     slice, the tokenizer, the options; not ``seq_len``, which only cuts the stream), and the windows
-    read the store's read-only memory map. Without it the stream is built in memory (small
-    evaluation corpora).
+    are read from the store's file. Without it the stream is built in memory (small evaluation
+    corpora).
     """
     if split is not None and split not in SPLIT_MODES:
         raise ValueError(f"text split {split!r}; expected one of {SPLIT_MODES}")
