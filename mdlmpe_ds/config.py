@@ -100,6 +100,12 @@ class DataConfig:
     validation: str | None = None
     # SentencePiece BPE size when no `tokenizer` is given: one is trained on the corpus and cached.
     tokenizer_vocab: int = 4096
+    # Where corpora are tokenised into token stores (data/token_store.py); None = <output_dir>/data_cache.
+    # Runs sharing one (the encodings of a comparison) tokenise OpenWebText once.
+    store_dir: str | None = None
+    # Processes tokenising a store's build on each node's first rank (same ids as one process);
+    # None: the node's CPUs (up to 32) for the named hub corpora (openwebtext...), else 1.
+    build_workers: int | None = None
 
 
 @dataclass
@@ -499,6 +505,8 @@ _KEY_HELP = {
     "data.skip_malformed": "count and skip malformed rows instead of failing on the first",
     "data.multiturn": "multi-turn rows: 'last' answer, 'expand' to every turn, 'sample' one turn (LLaDA)",
     "data.text_column": "column holding the text of a .jsonl/.parquet or hub corpus",
+    "data.build_workers": "processes tokenising a token store (None: the CPUs for named hub corpora, else 1)",
+    "data.store_dir": "folder of the pretraining token stores (share it across runs); None: <run>/data_cache",
     "data.max_documents": "keep only the first N documents of the corpus",
     "optim.betas": "AdamW (beta1, beta2), e.g. '[0.9, 0.95]'",
     "optim.eps": "AdamW epsilon",

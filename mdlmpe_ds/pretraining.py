@@ -265,6 +265,11 @@ class PretrainTrainer(SFTTrainer):
 
 
 # ------------------------------------------------------------------------------------ building a run
+def store_dir(run: RunConfig) -> Path:
+    """Where the token stores of this run's corpora live (data.store_dir, else the run's folder)."""
+    return Path(run.data.store_dir) if run.data.store_dir else Path(run.train.output_dir) / "data_cache"
+
+
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
     """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
     with the positions a ``family`` model is scored on (``maskable``)."""
@@ -276,7 +281,7 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
         return None
     packed = load_packed_corpus(
         d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-        cache_dir=Path(t.output_dir) / "data_cache",
+        cache_dir=store_dir(run), role="eval", workers=d.build_workers,
     )  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
@@ -312,7 +317,8 @@ def run_pretrain(
     def pack():
         return load_packed_corpus(
             d.dataset, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-            max_documents=d.max_documents, cache_dir=Path(t.output_dir) / "data_cache",
+            max_documents=d.max_documents, cache_dir=store_dir(run), role="train",
+            workers=d.build_workers,
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)

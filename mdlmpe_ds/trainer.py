@@ -773,7 +773,9 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             split=run.data.split,
             skip_malformed=run.data.skip_malformed,
             multiturn=run.data.multiturn,
-            cache_dir=Path(t.output_dir) / "data_cache",  # keyed by source, tokenizer and settings
+            # keyed by source (its datasets fingerprint), tokenizer, template and settings; built by
+            # each node's first rank, loaded by the others; data.store_dir shares it across runs
+            cache_dir=Path(run.data.store_dir or Path(t.output_dir) / "data_cache"),
             seed=run.train.seed,  # the turn drawn by multiturn="sample"
         )
     )
