@@ -109,7 +109,7 @@ def lora_worker(args: argparse.Namespace) -> dict:
     from mdlmpe_ds import lora
 
     spec = lora.parse(args.lora)
-    result = {"lora": spec.text()}
+    result = {"spec": spec.text()}
     for name in ("full", "lora"):
         info, step = build_step(args, "mdlmpe", spec if name == "lora" else None)
         state = step.optimizer.state.values()
@@ -215,7 +215,7 @@ def main() -> int:
             "time_ratio": low["step_s"] / full["step_s"],
         }
         print(
-            f"LoRA ({r['lora']}) / full: optimizer memory x{ratios['optimizer_memory_ratio']:.3f}, "
+            f"LoRA ({r['spec']}) / full: optimizer memory x{ratios['optimizer_memory_ratio']:.3f}, "
             f"gradients x{ratios['grad_memory_ratio']:.3f}, step time x{ratios['time_ratio']:.2f}"
         )
         print(json.dumps({**ratios, **r}))

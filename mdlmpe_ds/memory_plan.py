@@ -280,8 +280,10 @@ def plan_memory(
     plan.items.append(
         (
             "gathered parameters",
-            min(live, largest + prefetch) * p + largest * p,
-            f"largest module {largest:,} + prefetch {prefetch:,.0f}, and its full gradient",
+            # LoRA: the largest module (embedding table / LM head) is frozen, so it has no gradient
+            min(live, largest + prefetch) * p + (largest * p if trainable == total else 0),
+            f"largest module {largest:,} + prefetch {prefetch:,.0f}"
+            + (", and its full gradient" if trainable == total else " (frozen: no gradient)"),
         )
     )
     plan.items.append(("gradient reduce bucket", reduce * p, f"reduce_bucket_size {reduce:,.0f}"))
