@@ -61,7 +61,7 @@ def export(
             if push_to_hub:
                 print(f"uploaded {out} -> {upload(out, push_to_hub)}")
             return out
-        state = lora.merge(lora.read_base(step_dir, saved.run_config), adapters, mdlmpe, spec)
+        state = lora.merged_state(step_dir, saved.run_config, state)
     # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
     with torch.device("meta"):
         reference = dict(DiffusionLM(config).state_dict())

@@ -430,6 +430,18 @@ def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
     )
 
 
+def merged_state(
+    step_dir: Path, run_config: Mapping[str, Any], state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's consolidated state as the plain model's: for a LoRA run the base (read_base)
+    with the adapters merged in and the trained MDLMPE weights; a full fine-tune's state as is."""
+    spec = spec_of(run_config)
+    if spec is None:
+        return dict(state)
+    _, adapters, mdlmpe = split_state(state)
+    return merge(read_base(step_dir, run_config), adapters, mdlmpe, spec)
+
+
 def read_base(step_dir: Path, run_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The frozen base of a LoRA checkpoint under plain names: the pretrained directory recorded as
     ``model.model_name_or_path``, or the preset run's ``lora_base.safetensors``."""

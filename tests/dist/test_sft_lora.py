@@ -144,3 +144,37 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
     with torch.no_grad():
         logits = wrapped(probe["input_ids"], valid=probe["valid"]).float()
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_a_pretrained_directory_resumes_and_exports_from_the_base_name(
+    sft_straight, sft_data, tmp_path
+):
+    """The base is a Hugging Face-format directory (the full fine-tune's export): nothing of it is
+    copied into the run; the resumed half and the export read it again from model_name_or_path, and
+    the merged export (and the evaluation loader on the run itself) give the engine's logits."""
+    from mdlmpe_ds.evaluation.loading import load_model
+    from mdlmpe_ds.lora import BASE_FILE
+    from mdlmpe_ds.models.hf_io import load_pretrained
+
+    export = launch_module("export")
+    base = export.export(sft_straight / "checkpoints" / "latest", tmp_path / "base")
+    out = tmp_path / "lora_on_pretrained"
+    args = [*sft_data[2:], *BASE_ARGS, *LORA, "--model_name_or_path", str(base), "--output_dir", str(out)]
+    check(launch([*args, "--stop_at", str(N // 2)]), "LoRA on a pretrained directory, first half")
+    resumed = launch([*args, "--resume", "auto"], {"MDLMPE_DS_PROBE_LOGITS": str(out / "probe.pt")})
+    check(resumed, "LoRA on a pretrained directory, resumed half")
+    assert "resumed from" in resumed.stdout and not (out / BASE_FILE).exists()
+    probe = torch.load(out / "probe.pt", weights_only=False)
+    merged = load_pretrained(export.export(out, tmp_path / "merged")).eval()
+    from_run, _ = load_model(out)
+    for model in (merged, from_run):
+        with torch.no_grad():
+            logits = model(probe["input_ids"], valid=probe["valid"]).float()
+        torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+    # the backbone is the pretrained directory's, bit for bit, after training
+    before = load_pretrained(base)
+    state = probe["state"]
+    for name, param in before.named_parameters():
+        trained = state.get(name, state.get(name.replace(".weight", ".base_layer.weight")))
+        if ".phase." not in name and not name.startswith("embed.mdlmpe."):
+            assert torch.equal(trained, param.detach()), name
