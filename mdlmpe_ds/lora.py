@@ -16,10 +16,12 @@ inside the context fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -253,28 +255,14 @@ def reset_adapters(
     ]
     for name, module in pairs:
         a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
-        context = gathered([a, b], modifier_rank=0) if gathered else _null()
+        context = gathered([a, b], modifier_rank=0) if gathered else contextlib.nullcontext()
         with context:
             if is_rank0:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 value = torch.empty(a.shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
                 a.copy_(value.to(a.dtype))
                 b.zero_()
-
-
-def _stable_hash(text: str) -> int:
-    import zlib
-
-    return zlib.crc32(text.encode())
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------- export maths
