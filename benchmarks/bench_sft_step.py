@@ -18,7 +18,7 @@ encodings). The vocabulary defaults to 4,096 so the LM head does not hide the at
 --vocab 151680 for the demo's Qwen2.5 vocabulary.
 Target (issue 4): MDLMPE <= 3x RoPE step time and <= 1.5x its peak memory.
 
-    python benchmarks/bench_sft_step.py --lora               # LoRA vs full fine-tune (issue 18)
+    python benchmarks/bench_sft_step.py --lora               # LoRA vs full fine-tune
 
 With --lora the MDLMPE model is stepped twice in one process, fully fine-tuned and with LoRA
 (default spec r=16,alpha=32,dropout=0.05 on all seven projections; --lora SPEC picks another): the

@@ -157,6 +157,8 @@ class TrainConfig:
     dream_weighting: str = "cart"
     cart_p: float = 0.1
     noise_eps: float = 1e-3
+    # Pretraining corruption layout (diffusion/layouts.py): "iid" (LLaDA's), "semi_ar", "spans", "mix".
+    corruption: str = "iid"
     # Block-diffusion SFT (paper §3.4, §4.4): one active response block per example, earlier blocks
     # clean, later blocks masked ("full") or hidden from attention and availability ("blocked").
     # None trains on the whole response at once.
@@ -268,6 +270,8 @@ class RunConfig:
             raise bad("train.block_size", t.block_size, "must be >= 1 or null")
         if t.block_context not in ("full", "blocked"):
             raise bad("train.block_context", t.block_context, "must be one of ('full', 'blocked')")
+        if t.corruption not in ("iid", "semi_ar", "spans", "mix"):  # diffusion/layouts.py LAYOUTS
+            raise bad("train.corruption", t.corruption, "must be one of ('iid', 'semi_ar', 'spans', 'mix')")
         if t.max_consecutive_nonfinite < 1:
             raise bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
         if t.precision not in PRECISIONS:

@@ -1,4 +1,4 @@
-"""LoRA SFT (issue 18) on 2 CPU ranks through the real DeepSpeed ZeRO-3 engine with the shipped
+"""LoRA SFT on 2 CPU ranks through the real DeepSpeed ZeRO-3 engine with the shipped
 ds_configs/zero3.json: only adapters and MDLMPE train (the backbone comes out bitwise unchanged),
 checkpoints leave the frozen base out, the loss falls, straight == interrupted bit for bit (fp32 with
 the head schedule and gradient checkpointing; bf16 with block diffusion and no checkpointing), and
