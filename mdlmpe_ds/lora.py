@@ -137,7 +137,10 @@ def parse(text: str, where: str = "--lora") -> LoraSpec:
 
 def spec_of(run_config) -> LoraSpec | None:
     """The run's spec (``model.lora``), None for a full fine-tune. Takes a RunConfig or its dict."""
-    text = run_config["model"].get("lora") if isinstance(run_config, dict) else run_config.model.lora
+    if isinstance(run_config, dict):  # a checkpoint's config.json (older ones may lack sections)
+        text = (run_config.get("model") or {}).get("lora")
+    else:
+        text = run_config.model.lora
     return parse(text, "model.lora") if text else None
 
 
