@@ -52,6 +52,10 @@ class ModelChoice:
     # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
     # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
     recompute_mdlmpe_attention: bool = False
+    # LoRA SFT (mdlmpe_ds/lora.py), e.g. "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down"
+    # (a config file may give the mapping {r, alpha, dropout, targets}): the backbone frozen, LoRA
+    # adapters on the target projections, the MDLMPE parameters trained in full. None: full fine-tune.
+    lora: str | None = None
 
 
 @dataclass
@@ -206,6 +210,10 @@ class RunConfig:
                 raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
         if not isinstance(m.mdlmpe, dict):
             raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
+        if m.lora is not None:
+            from mdlmpe_ds.lora import parse
+
+            m.lora = parse(m.lora, "model.lora").text()
         if d.max_len < 8:
             raise bad("data.max_len", d.max_len, "must be >= 8")
         if d.multiturn not in MULTITURN:
@@ -415,6 +423,11 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -
     for key, value in overrides.items():
         section, name = resolve_key(key, source)
         target = getattr(config, section)
+        if section == "model" and name == "lora" and isinstance(value, dict):  # a config-file section
+            from mdlmpe_ds.lora import from_mapping
+
+            target.lora = from_mapping(value, f"{source}: model.lora").text()
+            continue
         if section == "model" and name == "mdlmpe":
             merged = dict(target.mdlmpe)
             merged.update(coerce(value, dict[str, Any], f"{section}.{name}", source))

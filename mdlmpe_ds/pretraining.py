@@ -336,7 +336,7 @@ def run_pretrain(
         [d.max_len] * len(dataset), t.micro_batch_size, rank=rank, world_size=world, seed=t.seed
     )
     total = total_updates_for(run, len(sampler))
-    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
+    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
     if engine is None:
         return built
     trainer = PretrainTrainer(
