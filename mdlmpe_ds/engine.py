@@ -331,25 +331,6 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig
     return engine
 
 
-def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """The full (unpartitioned) state dict, gathered one parameter at a time; on rank 0, else None.
-
-    Collective: every rank must call it. Peak memory on rank 0 is the model size in the parameter
-    dtype (plus one gathered tensor), never the optimizer state.
-    """
-    deepspeed = _deepspeed()
-    module = engine.module
-    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if out is not None:
-                out[name] = param.detach().clone().cpu()
-    for name, buf in module.named_buffers():
-        if out is not None and buf is not None and not name.endswith("inv_freq"):
-            out[name] = buf.detach().clone().cpu()
-    return out
-
-
 def fp32_state_dict_from_checkpoint(step_dir: Path) -> dict[str, torch.Tensor]:
     """Consolidate a ZeRO-3 checkpoint's fp32 master weights in one process (no process group),
     with DeepSpeed's zero_to_fp32 reader."""
