@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="outputs/eval/perplexity", help="output prefix (.md / .json)")
     args = parser.parse_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure(stream="stderr")  # stdout holds the results table
     if args.names and len(args.names) != len(args.models):
         parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
     if args.threads:
