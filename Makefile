@@ -1,10 +1,12 @@
 # mdlmpe_ds developer entry points. `make test` and `make demo` are the README's two commands:
-# both create .venv on first use with pinned packages (torch from the CPU wheel first, so no
-# package can pull a CUDA build), then run.
+# both create .venv on first use with the exact versions of requirements/constraints.txt (torch from
+# the CPU wheel first, so no package can pull a CUDA build), then run.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+CONSTRAINTS := requirements/constraints.txt
+# A new stamp (a reinstall) whenever the declared dependencies or their pins change.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 export OMP_NUM_THREADS ?= 1
 # DeepSpeed finds CUDA by itself; only a machine without an NVIDIA GPU is told "cpu" (a GPU node
 # given DS_ACCELERATOR=cpu would train on the CPU). nvidia-smi needs no venv, so this holds on a
@@ -20,10 +22,10 @@ export PYTHONUNBUFFERED = 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -c $(CONSTRAINTS) torch
+	$(BIN)/pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

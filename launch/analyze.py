@@ -23,6 +23,8 @@ from __future__ import annotations
 import sys
 
 from mdlmpe_ds.analysis.cli import main
+from mdlmpe_ds.log_setup import configure
 
 if __name__ == "__main__":
+    configure(stream="stderr")
     sys.exit(main())

@@ -35,7 +35,7 @@ COMPARE_DEFAULTS = {"train.max_steps": 300, "train.save_every": 150}
 def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
     """(flags compare adds to every run, one line naming each). Never a key the user or a recipe set."""
     from mdlmpe_ds import config, recipes
-    from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS, pretrain_recipe
+    from mdlmpe_ds.runs.pretrain import PRETRAIN_DEFAULTS, pretrain_recipe
 
     recipe, rest = recipes.pop_recipe(forwarded)
     file = None
@@ -66,12 +66,12 @@ def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds
     """The RunConfig launch/pretrain.py would build for one matched run (for --dry-run)."""
     from mdlmpe_ds import compare, launching, recipes
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.pretraining import pretrain_defaults
+    from mdlmpe_ds.runs.pretrain import pretrain_defaults
 
     cmd = compare.pretrain_command(
         [], encoding, seed, compare.run_dir(out, encoding, seed), ds_config, forwarded
     )
-    tokens = cmd[3:-2]  # drop "pretrain.py --deepspeed DS" and "--resume auto"
+    tokens = cmd[4:-2]  # drop "-m mdlmpe_ds.runs.pretrain --deepspeed DS" and "--resume auto"
     recipe, tokens = recipes.pop_recipe(tokens)
     file = None
     if "--config" in tokens:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     epilog = None
     if {"-h", "--help"} & set(argv if argv is not None else sys.argv[1:]):
         from mdlmpe_ds.config import help_text
-        from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS
+        from mdlmpe_ds.runs.pretrain import PRETRAIN_DEFAULTS
 
         epilog = "every run also takes launch/pretrain.py's keys:\n" + help_text(
             PRETRAIN_DEFAULTS, recipes=["llada-100m", "dream-100m"]
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         help="print each run's plan; train nothing",
     )
     args, forwarded = parser.parse_known_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure()
     unknown = [e for e in args.encodings if e not in compare.ENCODINGS]
     if unknown:
         parser.error(f"unknown encodings {unknown}; choose from {', '.join(compare.ENCODINGS)}")

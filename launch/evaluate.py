@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         "--corruption", nargs="+", default=None, choices=LAYOUTS, help="score by mask layout (paired)"
     )
     args = parser.parse_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure(stream="stderr")  # stdout holds the results table
     if args.names and len(args.names) != len(args.models):
         parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
     if args.threads:

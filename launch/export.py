@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "--push_to_hub", metavar="REPO", default=None, help="upload the export to this hub repo"
     )
     args = parser.parse_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure(stream="stderr")
     export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only)
     return 0
 

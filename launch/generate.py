@@ -134,6 +134,9 @@ class Session:
 
 def main(argv: list[str] | None = None, out=sys.stdout, stdin=sys.stdin) -> int:
     args = parse_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure(stream="stderr")  # stdout holds the completions
     session = Session(args)
     if args.prompt:
         texts = [

@@ -58,7 +58,7 @@ def plan(flags: list[str], deepspeed_config: Path) -> float:
     """[1/4]: the dry run of the smoke run (prints model, batch and memory plan); returns the
     plan's total GiB per GPU."""
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import run_sft
+    from mdlmpe_ds.runs.sft import run_sft
 
     os.environ.setdefault("WORLD_SIZE", "1")
     run = build_config(None, flags)
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     args = parser.parse_args(argv)
+    from mdlmpe_ds.log_setup import configure
+
+    configure()
 
     import torch
 

@@ -28,91 +28,20 @@ same window, whatever the encoding. Other flags as launch/sft.py: ``--config``, 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
 
 
-def _preset_from(tokens: list[str], config_file: str | None) -> str | None:
-    """The model preset named on the command line or in the config file (it picks the recipe)."""
-    for i, token in enumerate(tokens):
-        for key in ("--preset", "--model.preset"):
-            if token == key and i + 1 < len(tokens):
-                return tokens[i + 1]
-            if token.startswith(key + "="):
-                return token.split("=", 1)[1]
-    if config_file is not None:
-        from mdlmpe_ds.config import load_config_file
+def main(argv: list[str] | None = None, faults=None) -> int:
+    """The command line of mdlmpe_ds/runs/pretrain.py (``faults``: test hooks, mdlmpe_ds/faults.py)."""
+    from mdlmpe_ds.faults import NO_FAULTS
+    from mdlmpe_ds.runs.pretrain import main as pretrain_main
 
-        flat = load_config_file(config_file)
-        return flat.get("model.preset", flat.get("preset"))
-    return None
-
-
-def write_summary(out: Path, summary: dict) -> None:
-    """``summary.json`` (written last, atomically): the run finished; compare_pe.py reuses it."""
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    tmp.replace(out / "summary.json")
-
-
-def _help(argv: list[str]) -> str | None:
-    """Every training-config key with this launcher's defaults, for --help only."""
-    if not {"-h", "--help"} & set(argv):
-        return None
-    from mdlmpe_ds import recipes
-    from mdlmpe_ds.config import help_text
-    from mdlmpe_ds.pretraining import PRETRAIN_DEFAULTS
-
-    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
-    return help_text(PRETRAIN_DEFAULTS, recipes=names)
-
-
-def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = launching.base_parser(__doc__.split("\n\n")[0], _help(argv)).parse_known_args(argv)
-    launching.prepare_process()
-    ranks = launching.ranks_to_relaunch(args.dry_run)
-    if ranks:
-        return launching.relaunch(__file__, ranks, argv)
-
-    from mdlmpe_ds import recipes
-    from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.pretraining import pretrain_defaults, pretrain_recipe, run_pretrain
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    recipe, rest = recipes.pop_recipe(rest)
-    preset = _preset_from(rest, args.config)
-    defaults = pretrain_defaults(preset, world, recipe)
-    run = build_config(args.config, rest, defaults=defaults)
-    applied = pretrain_recipe(preset, recipe)
-    if applied and os.environ.get("RANK", "0") == "0":
-        print(recipes.describe(recipes.get(applied), run, world), flush=True)
-
-    def report(summary: dict) -> None:
-        out = Path(run.train.output_dir).resolve()
-        if summary["finished"]:
-            write_summary(out, summary)
-        val = summary.get("validation")
-        lines = [
-            f"\ndone: {summary['total_updates']} updates ({summary['epochs']:.2f} epochs of "
-            f"{summary['tokens_per_epoch']:,} tokens)"
-            + (f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""),
-        ]
-        if val:
-            lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
-        lines += [
-            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
-            f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
-            f"resume with:      {launching.resume_command('launch/pretrain.py', args.deepspeed, rest)}",
-            f"evaluate with:    python launch/evaluate.py {out}",
-        ]
-        print("\n".join(lines), flush=True)
-
-    return launching.run_job(run_pretrain, run, args, report)
+    return pretrain_main(
+        argv, script=__file__, description=__doc__.split("\n\n")[0], faults=faults or NO_FAULTS
+    )
 
 
 if __name__ == "__main__":

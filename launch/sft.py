@@ -27,6 +27,7 @@ hub name (`name:config` or `--dataset_config`, `--dataset_split`).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -44,7 +45,9 @@ def _help(argv: list[str]) -> str | None:
     return help_text(recipes=[n for n, r in recipes.RECIPES.items() if r.launcher == "sft"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults=None) -> int:
+    """Parse, re-launch on CPU ranks, build the config, run, print the summary on rank 0.
+    ``faults``: test hooks (mdlmpe_ds/faults.py); production passes none."""
     argv = sys.argv[1:] if argv is None else argv
     args, rest = launching.base_parser(__doc__.split("\n\n")[0], _help(argv)).parse_known_args(argv)
     launching.prepare_process()
@@ -54,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from mdlmpe_ds import recipes
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import run_sft
+    from mdlmpe_ds.faults import NO_FAULTS
+    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.runs.sft import run_sft
+
+    configure()
 
     recipe, rest = recipes.pop_recipe(rest)
     chosen = recipes.get(recipe, "sft") if recipe else None
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    return launching.run_job(run_sft, run, args, report)
+    job = functools.partial(run_sft, faults=faults or NO_FAULTS)
+    return launching.run_job(job, run, args, report)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ same corpora with the same masks, and summarise mean ± std over seeds.
 
 Matched runs differ only in the position module: for one seed, every encoding gets the same
 ``train.seed`` (initial-weight RNG, data order, corruption draws keyed by window index), the same
-tokenizer, optimizer, schedule and length. Each run is its own `launch/pretrain.py` job (its own
-processes, checkpoints and TensorBoard under ``<out>/runs/<encoding>-seed<seed>``) started with
-``--resume auto``: an interrupted comparison picks up where it stopped, finished runs (a
-``summary.json``) and finished evaluations (an ``eval.json`` with the same settings) are reused.
+tokenizer, optimizer, schedule and length. Each run is its own pretraining job, the command line of
+``mdlmpe_ds.runs.pretrain`` run as a module (its own processes, checkpoints and TensorBoard under
+``<out>/runs/<encoding>-seed<seed>``) started with ``--resume auto``: an interrupted comparison
+picks up where it stopped, finished runs (a ``summary.json``) and finished evaluations (an
+``eval.json`` with the same settings) are reused.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = REPO / "launch" / "pretrain.py"
+PRETRAIN_MODULE = "mdlmpe_ds.runs.pretrain"
 SUMMARY = "summary.json"
 EVAL = "eval.json"
 
-# Encoding name -> launch/pretrain.py overrides. The mdlmpe-* rows are paper Table 4's ablation
+# Encoding name -> pretraining overrides. The mdlmpe-* rows are paper Table 4's ablation
 # ladder: availability bit only, + Gaussian window, + sine basis, + embedding path (= mdlmpe).
 ENCODINGS: dict[str, dict[str, Any]] = {
     "rope": {"position_encoding": "rope"},
@@ -61,11 +62,14 @@ def run_dir(out: Path, encoding: str, seed: int) -> Path:
 def pretrain_command(
     launcher: list[str], encoding: str, seed: int, directory: Path, ds_config: str, forwarded: list[str]
 ) -> list[str]:
-    """The launch/pretrain.py command of one matched run (``forwarded``: the user's extra flags)."""
+    """The pretraining command of one matched run (``forwarded``: the user's extra flags): the
+    ``mdlmpe_ds.runs.pretrain`` module under ``launcher`` (python's ``-m``; a distributed launcher's
+    ``--module``)."""
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
     spec = ENCODINGS[encoding]
-    cmd = [*launcher, str(PRETRAIN), "--deepspeed", ds_config, *forwarded]
+    flag = "-m" if not launcher or Path(launcher[0]).name.startswith("python") else "--module"
+    cmd = [*launcher, flag, PRETRAIN_MODULE, "--deepspeed", ds_config, *forwarded]
     cmd += ["--position_encoding", spec["position_encoding"]]
     if "mdlmpe" in spec:
         cmd += ["--model.mdlmpe", json.dumps(spec["mdlmpe"])]
@@ -73,7 +77,8 @@ def pretrain_command(
 
 
 def default_launcher() -> list[str]:
-    """CPU: plain python (pretrain.py re-launches itself on 2 CPU ranks); GPU: the deepspeed launcher."""
+    """CPU: plain python (the pretraining command re-launches itself on 2 CPU ranks); GPU: the
+    deepspeed launcher."""
     import torch
 
     if torch.cuda.is_available():

@@ -81,8 +81,9 @@ def ranks_to_relaunch(dry_run: bool) -> int:
     return ranks if ranks > 1 else 0
 
 
-def relaunch(script: str | Path, ranks: int, argv: list[str]) -> int:
-    """Run ``script`` again under torchrun with ``ranks`` CPU processes; returns their exit code."""
+def relaunch(script: str | Path, ranks: int, argv: list[str], module: bool = False) -> int:
+    """Run ``script`` again under torchrun with ``ranks`` CPU processes; returns their exit code.
+    ``module``: ``script`` is a module name, run with ``-m``."""
     forwarded = [a for a in argv if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -93,10 +94,10 @@ def relaunch(script: str | Path, ranks: int, argv: list[str]) -> int:
         "torch.distributed.run",
         f"--nproc_per_node={ranks}",
         f"--master_port={free_port()}",
-        str(Path(script).resolve()),
+        *(["-m", str(script)] if module else [str(Path(script).resolve())]),
         *forwarded,
     ]
-    name = Path(script).name
+    name = str(script) if module else Path(script).name
     print(
         f"[{name}] CPU-only machine and 1 rank: re-launching with {ranks} ranks:\n  {shlex.join(cmd)}",
         flush=True,

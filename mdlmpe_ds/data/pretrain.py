@@ -16,13 +16,12 @@ Sources:
 * already-tokenised documents (``from_token_documents``).
 
 Corruption draws for the masked-diffusion forward process depend only on ``(seed, data_index)``
-(``corruption_draws``), not on the model, the position encoding, the rank or the batch a sequence
-lands in, so every encoding compared sees exactly the same masks.
+(``mdlmpe_ds.seeding.corruption_draws``), not on the model, the position encoding, the rank or the
+batch a sequence lands in, so every encoding compared sees exactly the same masks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -222,36 +221,3 @@ def packed_collate(items: Sequence[dict]) -> dict:
         "valid": torch.ones_like(ids, dtype=torch.bool),
         "index": torch.tensor([it["index"] for it in items], dtype=torch.long),
     }
-
-
-def corruption_seed(seed: int, data_index: int, sample: int = 0) -> int:
-    """A 63-bit seed derived only from ``(seed, data_index, sample)`` (stable across runs/machines)."""
-    for name, value in (("seed", seed), ("data_index", data_index), ("sample", sample)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    digest = hashlib.blake2b(f"{seed}:{data_index}:{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def corruption_generator(seed: int, data_index: int, sample: int = 0) -> torch.Generator:
-    """A CPU ``torch.Generator`` seeded by ``corruption_seed(seed, data_index, sample)``."""
-    return torch.Generator(device="cpu").manual_seed(corruption_seed(seed, data_index, sample))
-
-
-def corruption_draws(
-    seed: int, data_indices: Sequence[int] | torch.Tensor, length: int, sample: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform draws for the forward process of each sequence: ``t`` [B] and ``u`` [B, length].
-
-    A sequence's draws depend only on ``(seed, its data index, sample)``: a token is masked at noise
-    level ``p`` iff ``u < p`` (with ``p`` a function of ``t``), identical for every model compared and
-    independent of batch composition. Both are float64 on the CPU.
-    """
-    idx = data_indices.tolist() if isinstance(data_indices, torch.Tensor) else list(data_indices)
-    t = torch.empty(len(idx), dtype=torch.float64)
-    u = torch.empty(len(idx), length, dtype=torch.float64)
-    for row, i in enumerate(idx):
-        g = corruption_generator(seed, int(i), sample)
-        t[row] = torch.rand((), generator=g, dtype=torch.float64)
-        u[row] = torch.rand(length, generator=g, dtype=torch.float64)
-    return t, u

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mdlmpe_ds.diffusion.corruption import mix_seed
+from mdlmpe_ds.seeding import mix_seed
 
 _SAMPLER_STREAM = 0x5A3D  # separates the sampler's seeds from the noise generator's
 _ORDER_KEYS = ("seed", "num_samples", "micro_batch_size", "mega_batch_mult", "drop_last", "longest_first")

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
-from mdlmpe_ds.diffusion.corruption import mix_seed
+from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
 

@@ -16,42 +16,17 @@ from typing import NamedTuple
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One round of SplitMix64 (Steele et al.): a bijective 64-bit mixer with full avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers: h <- splitmix64(h ^ splitmix64(part)) over the parts.
-
-    Order matters ((1, 2) != (2, 1)), nearby inputs give unrelated seeds, and the result fits
-    ``torch.Generator.manual_seed``. Negative parts are rejected.
-    """
-    h = 0x6D646C6D7065  # "mdlmpe"
-    for part in parts:
-        part = int(part)
-        if part < 0:
-            raise ValueError(f"seed parts must be non-negative, got {parts}")
-        h = _splitmix64(h ^ _splitmix64(part & _MASK64))
-    return h >> 1
+from mdlmpe_ds.seeding import generator
 
 
 def noise_generator(seed: int, rank: int, step: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The generator for the corruption noise of micro-step ``step`` on ``rank``.
 
-    Seeded with ``mix_seed(seed, rank, step)``: deterministic in (seed, rank, step), distinct streams
+    Seeded with ``seeding.mix_seed(seed, rank, step)``: deterministic in (seed, rank, step), distinct streams
     for distinct triples. ``step`` should count micro-batches (not optimizer updates) so gradient
     accumulation steps draw different noise.
     """
-    g = torch.Generator(device=device)
-    g.manual_seed(mix_seed(seed, rank, step))
-    return g
+    return generator(seed, rank, step, device=device)
 
 
 class Corruption(NamedTuple):

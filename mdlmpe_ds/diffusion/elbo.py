@@ -7,7 +7,7 @@ token independently with probability ``p``. The negative ELBO of a sequence ``x`
 
 and the reported bound per token is ``sum_x E[...] / sum_x L`` (nats), with perplexity
 ``exp`` of it. A Monte-Carlo estimate uses ``num_samples`` draws of ``(t, mask)`` per sequence. The
-draws depend only on ``(seed, data index, sample index)`` (``mdlmpe_ds.data.pretrain.corruption_draws``)
+draws depend only on ``(seed, data index, sample index)`` (``mdlmpe_ds.seeding.corruption_draws``)
 so every model compared is scored on the same masks, whatever the batch size or padding.
 
 Noise levels (``t_sampling``), all unbiased; samples form groups, each group's mean is one
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mdlmpe_ds.data.pretrain import corruption_draws
+from mdlmpe_ds.seeding import corruption_draws
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

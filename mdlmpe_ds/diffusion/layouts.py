@@ -1,10 +1,10 @@
 """Structured corruption layouts for masked-diffusion pretraining and evaluation.
 
 Every layout is drawn from the generator of ``(seed, window index, sample)``
-(``data.pretrain.corruption_generator``; ``sample`` is the epoch in training, the draw index in
+(``seeding.generator``; ``sample`` is the epoch in training, the draw index in
 evaluation) in one fixed order: ``t``, then one uniform ``u`` per position, then three structure
 uniforms ``s``. So the ``iid`` layout is bit for bit the forward process of
-``pretraining.pretrain_corruption`` before layouts existed, and the same window and sample get
+``tasks.pretrain.pretrain_corruption`` before layouts existed, and the same window and sample get
 the same ``t`` (matched density) under every layout and for every model compared.
 With ``p = (1 - eps) t + eps``:
 
@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from mdlmpe_ds.seeding import generator
 
 LAYOUTS = ("iid", "semi_ar", "spans", "mix")
 ROW_LAYOUTS = ("iid", "semi_ar", "spans")  # what one row can be (mix picks one of these)
@@ -82,15 +84,13 @@ def layout_draws(
     seed: int, data_indices: Sequence[int] | torch.Tensor, length: int, sample: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``t`` [B], ``u`` [B, length], ``s`` [B, 3] (float64, CPU) of each window, in that order from
-    ``corruption_generator(seed, index, sample)``: ``t`` and ``u`` equal ``corruption_draws``."""
-    from mdlmpe_ds.data.pretrain import corruption_generator
-
+    ``seeding.generator(seed, index, sample)``: ``t`` and ``u`` equal ``seeding.corruption_draws``."""
     idx = data_indices.tolist() if isinstance(data_indices, torch.Tensor) else list(data_indices)
     t = torch.empty(len(idx), dtype=torch.float64)
     u = torch.empty(len(idx), length, dtype=torch.float64)
     s = torch.empty(len(idx), 3, dtype=torch.float64)
     for row, i in enumerate(idx):
-        g = corruption_generator(seed, int(i), sample)
+        g = generator(seed, int(i), sample)
         t[row] = torch.rand((), generator=g, dtype=torch.float64)
         u[row] = torch.rand(length, generator=g, dtype=torch.float64)
         s[row] = torch.rand(3, generator=g, dtype=torch.float64)

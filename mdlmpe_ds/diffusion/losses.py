@@ -22,7 +22,15 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mdlmpe_ds.models.scored_head import ScoredCE
+
+class ScoredCE(NamedTuple):
+    """Per-position fp32 cross-entropy at the scored positions, in row-major order of the scored
+    mask (the order of ``mask.nonzero()``). ``ce`` [M] fp32 (differentiable), ``rows``, ``cols`` [M]."""
+
+    ce: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
 
 T_BUCKETS = 10
 

@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 import torch
 
 from mdlmpe_ds.diffusion.blocks import check_block_context, num_blocks, sampling_visibility
-from mdlmpe_ds.diffusion.corruption import mix_seed
 from mdlmpe_ds.diffusion.sampling_rules import (
     LLADA_ALGORITHMS,
     SCHEDULES,
@@ -40,6 +39,7 @@ from mdlmpe_ds.diffusion.sampling_rules import (
     select_positions,
     transfer_counts,
 )
+from mdlmpe_ds.seeding import mix_seed
 
 _SEED_STREAM = 0x53414D50  # "SAMP": keeps sampling streams apart from training-noise streams
 

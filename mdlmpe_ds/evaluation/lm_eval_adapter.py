@@ -40,10 +40,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mdlmpe_ds.diffusion.corruption import mix_seed
 from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate, trim_at_eos
 from mdlmpe_ds.evaluation.likelihood import conditional_elbo, greedy_matches
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+from mdlmpe_ds.seeding import mix_seed
 
 
 def _seed_for(seed: int, *texts: str) -> int:

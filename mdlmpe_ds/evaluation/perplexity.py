@@ -12,7 +12,6 @@ comparable with each other.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,9 +124,3 @@ def write_results(
         json.dumps({"settings": asdict(settings), "scores": [asdict(s) for s in scores]}, indent=1) + "\n"
     )
     return md, js
-
-
-def finite_or_raise(scores: list[CorpusScore]) -> None:
-    bad = [f"{s.model}/{s.corpus}" for s in scores if not math.isfinite(s.nll)]
-    if bad:
-        raise FloatingPointError(f"non-finite perplexity for {', '.join(bad)}")

@@ -23,12 +23,13 @@ micro-batch has no scored position.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from mdlmpe_ds.diffusion.losses import ScoredCE  # the losses' input type, produced here
 
 # Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 B bf16 logits + 3 x 4 B fp32
 # copy, log-softmax, gradient) ~ 1.7 GiB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
@@ -46,15 +47,6 @@ def configured_chunk() -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{CHUNK_ENV}={raw!r}: expected a positive number of rows")
     return int(raw)
-
-
-class ScoredCE(NamedTuple):
-    """Per-position fp32 cross-entropy at the scored positions, in row-major order of the scored
-    mask (the order of ``mask.nonzero()``). ``ce`` [M] fp32 (differentiable), ``rows``, ``cols`` [M]."""
-
-    ce: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
 
 
 def _head_ce(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,6 @@ def sft_straight(tmp_path_factory, sft_data):
     """8 updates straight through (checkpoints at 4 and 8), with the engine's probe logits saved."""
     out = tmp_path_factory.mktemp("straight")
     probe = out / "probe.pt"
-    proc = launch([*sft_data, *BASE_ARGS, "--output_dir", str(out)], {"MDLMPE_DS_PROBE_LOGITS": str(probe)})
+    proc = launch([*sft_data, *BASE_ARGS, "--output_dir", str(out)], faults={"probe_logits": str(probe)})
     check(proc, "straight run")
     return out

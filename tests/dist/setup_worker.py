@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mdlmpe_ds import collectives
 from mdlmpe_ds import engine as eng
-from mdlmpe_ds.trainer import rank_zero_first
+from mdlmpe_ds.runs.common import rank_zero_first
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "launch" / "sft.py"
+FAULTS_WORKER = Path(__file__).with_name("sft_with_faults.py")
 # The config users run: the tests pass only what the CPU needs on the command line.
 DS_CONFIG = REPO / "ds_configs" / "zero3.json"
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")  # the launcher in this interpreter's bin/
@@ -68,14 +69,17 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def command(args: list[str], nproc: int = 2) -> list[str]:
+def command(args: list[str], nproc: int = 2, faults: dict | None = None) -> list[str]:
+    """torchrun on launch/sft.py, or with ``faults`` (mdlmpe_ds.faults.Faults fields) on the worker
+    that injects them (sft_with_faults.py)."""
+    script = [str(SFT)] if faults is None else [str(FAULTS_WORKER), json.dumps(faults)]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}",
-        str(SFT),
+        *script,
         "--deepspeed",
         str(DS_CONFIG),
         *args,
@@ -83,21 +87,39 @@ def command(args: list[str], nproc: int = 2) -> list[str]:
 
 
 def launch(
-    args: list[str], extra_env: dict[str, str] | None = None, nproc: int = 2, timeout: float = 240
+    args: list[str],
+    extra_env: dict[str, str] | None = None,
+    nproc: int = 2,
+    timeout: float = 240,
+    faults: dict | None = None,
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(args, nproc), env=env(extra_env), capture_output=True, text=True, timeout=timeout, cwd=REPO
+        command(args, nproc, faults),
+        env=env(extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 
 def launch_and_kill_when(
-    args: list[str], ready, timeout: float = 240, extra_env: dict[str, str] | None = None
+    args: list[str],
+    ready,
+    timeout: float = 240,
+    extra_env: dict[str, str] | None = None,
+    faults: dict | None = None,
 ) -> str:
     """Start a run in its own process group; SIGKILL the whole group once `ready()` is true."""
     log = Path(args[args.index("--output_dir") + 1]).with_suffix(".killed.log")
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            command(args), env=env(extra_env), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            command(args, faults=faults),
+            env=env(extra_env),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         try:

@@ -61,7 +61,7 @@ def test_sft_under_nccl_device_rule(tmp_path):
 
 
 def test_pretrain_under_nccl_device_rule(assets, tmp_path):
-    from mdlmpe_ds.pretraining import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
 
     corpus = assets("botchan").botchan
     tok = sentencepiece_for_corpus(str(corpus), 400, cache_root=tmp_path / "tok")

@@ -81,7 +81,7 @@ def test_sigkill_at_random_points_then_resume_auto(sft_straight, sft_data, tmp_p
     def in_save() -> bool:  # update 8's shards are written; rank 0 holds before the swap
         return (out / "checkpoints" / "step_000008.saving" / "trainer_state_rank1.pt").is_file()
 
-    launch_and_kill_when([*args, "--resume", "auto"], in_save, extra_env={"MDLMPE_DS_FAULT_PAUSE_IN_SAVE": "8"})
+    launch_and_kill_when([*args, "--resume", "auto"], in_save, faults={"pause_in_save": 8})
     assert not (out / "checkpoints" / "step_000008").exists()  # never a half-written step_N
     resumed = launch([*args, "--resume", "auto"])
     check(resumed, "resume after two kills")
@@ -106,7 +106,7 @@ def test_resave_over_existing_step_is_atomic(sft_straight, sft_data, tmp_path):
     assert fresh.returncode != 0 and "already holds checkpoints" in fresh.stderr
     assert "--overwrite_output_dir true" in fresh.stderr
     killed = launch(
-        [*args, "--resume", str(out / "checkpoints" / "step_000004")], {"MDLMPE_DS_FAULT_KILL_IN_SAVE": "8"}
+        [*args, "--resume", str(out / "checkpoints" / "step_000004")], faults={"kill_in_save": 8}
     )
     assert killed.returncode != 0
     ckpts = out / "checkpoints"

@@ -32,7 +32,7 @@ def test_nonfinite_skipped_then_stop(data, tmp_path):
             "--max_consecutive_nonfinite",
             "3",
         ],
-        {"MDLMPE_DS_FAULT_NAN_UPDATES": "1,3,4,5"},
+        faults={"nan_updates": [1, 3, 4, 5]},
     )
     assert proc.returncode != 0  # the workers exit 3; torchrun reports the failure as 1
     # The update-6 save never happens: the run stops first and names the last complete checkpoint.

@@ -29,7 +29,7 @@ def lora_straight(tmp_path_factory, sft_data):
     out = tmp_path_factory.mktemp("lora_straight")
     proc = launch(
         [*sft_data, *BASE_ARGS, *LORA, "--output_dir", str(out)],
-        {"MDLMPE_DS_PROBE_LOGITS": str(out / "probe.pt")},
+        faults={"probe_logits": str(out / "probe.pt")},
     )
     check(proc, "LoRA straight run")
     assert "LoRA r=4,alpha=8,dropout=0.05,targets=q,k,v,o,gate,up,down: trainable" in proc.stdout
@@ -161,7 +161,7 @@ def test_lora_on_a_pretrained_directory_resumes_and_exports_from_the_base_name(
     out = tmp_path / "lora_on_pretrained"
     args = [*sft_data[2:], *BASE_ARGS, *LORA, "--model_name_or_path", str(base), "--output_dir", str(out)]
     check(launch([*args, "--stop_at", str(N // 2)]), "LoRA on a pretrained directory, first half")
-    resumed = launch([*args, "--resume", "auto"], {"MDLMPE_DS_PROBE_LOGITS": str(out / "probe.pt")})
+    resumed = launch([*args, "--resume", "auto"], faults={"probe_logits": str(out / "probe.pt")})
     check(resumed, "LoRA on a pretrained directory, resumed half")
     assert "resumed from" in resumed.stdout and not (out / BASE_FILE).exists()
     probe = torch.load(out / "probe.pt", weights_only=False)

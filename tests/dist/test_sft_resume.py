@@ -143,7 +143,7 @@ def test_tensorboard_tags(straight):
 def test_sigkill_during_save_resumes_from_last_complete(straight, data, tmp_path):
     out = tmp_path / "killed_in_save"
     # Rank 0 SIGKILLs itself at update 8's save, after DeepSpeed's shards, before COMPLETE.
-    proc = launch([*data, *BASE_ARGS, "--output_dir", str(out)], {"MDLMPE_DS_FAULT_KILL_IN_SAVE": str(N)})
+    proc = launch([*data, *BASE_ARGS, "--output_dir", str(out)], faults={"kill_in_save": N})
     assert proc.returncode != 0
     ckpts = out / "checkpoints"
     # The shards were written into the staging directory; no step_000008 exists to be taken for one.

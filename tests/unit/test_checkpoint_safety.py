@@ -117,7 +117,7 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
 
 def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import prepare_output_dir
+    from mdlmpe_ds.runs.common import prepare_output_dir
 
     save(tmp_path, 2)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -308,7 +308,7 @@ def test_ranks_holding_other_data_fail_fast_naming_it(tmp_path):
             def worker(rank, port, same):
                 url = f"tcp://127.0.0.1:{port}"
                 dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
-                from mdlmpe_ds.trainer import assert_same_on_all_ranks
+                from mdlmpe_ds.runs.common import assert_same_on_all_ranks
                 digest = Fingerprint().array("tokens", [1, 2, 3 if same or rank == 0 else 4]).hexdigest()
                 try:
                     assert_same_on_all_ranks(digest, "chat.jsonl: the ranks built different SFT datasets")

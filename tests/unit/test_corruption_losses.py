@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdlmpe_ds.diffusion.corruption import corrupt, mix_seed, noise_generator, sample_t
+from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator, sample_t
 from mdlmpe_ds.diffusion.losses import (
     T_BUCKETS,
     cart_weights,
@@ -17,6 +17,7 @@ from mdlmpe_ds.diffusion.losses import (
     llada_sft_loss,
 )
 from mdlmpe_ds.pe.availability import availability
+from mdlmpe_ds.seeding import mix_seed
 
 MASK_ID = 99
 

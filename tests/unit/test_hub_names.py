@@ -83,7 +83,7 @@ def test_missing_hub_id_offline_fails_clearly(hub_cache):
 
 
 def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_model, tmp_path, capsys):
-    from mdlmpe_ds.trainer import run_sft
+    from mdlmpe_ds.runs.sft import run_sft
 
     model_dir, chat = tiny_hub_model
     snapshot = hub_cache("org/tiny-llada", model_dir)

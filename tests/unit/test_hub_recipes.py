@@ -57,7 +57,7 @@ def test_paper_sft_values():
 
 
 def test_pretrain_preset_and_recipe_are_one_mechanism():
-    from mdlmpe_ds.pretraining import pretrain_defaults
+    from mdlmpe_ds.runs.pretrain import pretrain_defaults
 
     for name in ("llada-100m", "dream-100m"):
         assert pretrain_defaults(name, 2) == pretrain_defaults(None, 2, recipe=name)
@@ -135,7 +135,7 @@ def test_mask_id_comes_from_the_preset_when_the_tokenizer_has_none(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mdlmpe_ds.trainer import model_config_for
+    from mdlmpe_ds.runs.common import model_config_for
 
     vocab = {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "hello", "world"])}
     raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))

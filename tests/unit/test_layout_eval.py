@@ -179,7 +179,7 @@ def test_evaluate_cli_by_layout_pairs_models_on_the_same_masks(tmp_path, assets)
     from transformers import AutoTokenizer
 
     from mdlmpe_ds.models.hf_io import save_pretrained
-    from mdlmpe_ds.pretraining import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
 
     corpus = str(assets("botchan").botchan)
     tokenizer = AutoTokenizer.from_pretrained(str(sentencepiece_for_corpus(corpus, 400, cache_root=tmp_path)))

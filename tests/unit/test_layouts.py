@@ -17,7 +17,7 @@ from mdlmpe_ds.diffusion.layouts import (
     default_span_mean,
     span_chain,
 )
-from mdlmpe_ds.pretraining import pretrain_corruption
+from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 L = 256
 

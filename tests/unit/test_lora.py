@@ -226,7 +226,7 @@ def test_find_base_file_names_where_it_looked(tmp_path):
 def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(capsys, monkeypatch):
     from mdlmpe_ds import engine as eng
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import build_engine
+    from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     results = {}

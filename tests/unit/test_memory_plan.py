@@ -13,6 +13,15 @@ from mdlmpe_ds.memory_plan import GIB, head_bytes, layer_activation_bytes, measu
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
+
+@pytest.fixture(autouse=True)
+def _logging():
+    """The run's notes (the plan, warnings) are log records, as the launchers configure them."""
+    from mdlmpe_ds.log_setup import configure
+
+    configure(rank=0, force=True)  # whatever an earlier test's entry point set
+
+
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20  # the plan vs a measured layer, relative
 
@@ -105,7 +114,7 @@ def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
     size of the job (WORLD_SIZE when no process group is up) and returns its total."""
     from mdlmpe_ds import engine as eng
     from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.trainer import build_engine
+    from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     run = build_config(None, ["--micro_batch_size", "2", "--max_len", "64", "--precision", "bf16"])

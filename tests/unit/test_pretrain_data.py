@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mdlmpe_ds.data.pretrain import PackedTokenDataset, corruption_draws, packed_collate, split_documents
+from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate, split_documents
+from mdlmpe_ds.seeding import corruption_draws
 
 SEP = 0
 

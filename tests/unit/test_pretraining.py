@@ -17,12 +17,8 @@ from mdlmpe_ds.config import build_config
 from mdlmpe_ds.data.corpora import NAMED_CORPORA, corpus_text_files, load_packed_corpus
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, markdown_table, score_corpus
-from mdlmpe_ds.pretraining import (
-    PAPER_GLOBAL_BATCH,
-    pretrain_corruption,
-    pretrain_defaults,
-    sentencepiece_for_corpus,
-)
+from mdlmpe_ds.runs.pretrain import PAPER_GLOBAL_BATCH, pretrain_defaults, sentencepiece_for_corpus
+from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 TEXT = "the cat sat on the mat\nthe dog sat on the log\n\nfour more words here\n"
 

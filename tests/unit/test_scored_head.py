@@ -192,32 +192,26 @@ class _VocabWideOutputs(TorchDispatchMode):
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("block_size", [None, 4])
 def test_training_micro_step_allocates_no_full_logits(family, block_size):
-    """SFTTrainer._micro (forward + backward of one micro-batch, the model in place of the DeepSpeed
+    """SFTTask.micro (forward + backward of one micro-batch, the model in place of the DeepSpeed
     engine, whose forward calls it unchanged): no op output is vocabulary-wide for more rows than one
     head chunk -- in particular no [B, L, V] logits and no fp32 [M, V] copy."""
-    from mdlmpe_ds import trainer as trainer_mod
-    from mdlmpe_ds.diffusion.losses import dream_sft_loss as dream_loss
+    from mdlmpe_ds.tasks.sft import SFTTask
 
     model = _model(family, "mdlmpe")
     cfg = model.config
     tokens = ["--block_size", str(block_size)] if block_size else []
     run = build_config(None, tokens)
-    sft = trainer_mod.SFTTrainer.__new__(trainer_mod.SFTTrainer)
-    sft.__dict__.update(
-        run=run, engine=model, model_config=cfg, loss_family=family, state=trainer_mod.TrainerState(),
-        rank=0, device=torch.device("cpu"), _corrupt=corrupt, _noise_generator=noise_generator,
-        _block_corrupt=block_sft_corrupt, _llada_loss=llada_sft_loss, _dream_loss=dream_loss,
-    )  # fmt: skip
+    sft = SFTTask(run.train, cfg)
     batch = _batch(model, seed=2)
     B, L = batch["input_ids"].shape
     watch = _VocabWideOutputs(cfg.vocab_size, cfg.hidden_size)
     with watch:
-        loss, extra = sft._micro(batch, nan=False)
+        loss, stats, _, _ = sft.micro(model, batch, micro_step=0, rank=0)
         loss.backward()
-    assert torch.isfinite(loss) and int(extra["stats"].num_masked) > 0
+    assert torch.isfinite(loss) and int(stats.num_masked) > 0
     # the head's chunk is DEFAULT_CHUNK rows, far more than B * L here: bound by the scored count
-    assert watch.max_rows <= int(extra["stats"].num_masked), sorted(watch.shapes)
-    assert (B, L, cfg.vocab_size) not in watch.shapes and int(extra["stats"].num_masked) < B * L
+    assert watch.max_rows <= int(stats.num_masked), sorted(watch.shapes)
+    assert (B, L, cfg.vocab_size) not in watch.shapes and int(stats.num_masked) < B * L
 
 
 def test_head_chunk_from_the_environment(monkeypatch):
@@ -260,20 +254,16 @@ def test_a_fixed_chunk_count_adds_empty_head_calls():
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_pretraining_micro_step_allocates_no_full_logits(family):
-    """PretrainTrainer._micro on packed windows: the same scored-head path, no [B, L, V] tensor,
+    """PretrainTask.micro on packed windows: the same scored-head path, no [B, L, V] tensor,
     and its loss equals the pretraining loss of the full logits on the same corruption."""
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.diffusion.elbo import scored_positions
-    from mdlmpe_ds.pretraining import PretrainTrainer
-    from mdlmpe_ds.trainer import TrainerState
+    from mdlmpe_ds.tasks.pretrain import PretrainTask
 
     model = _model(family, "mdlmpe")
     cfg = model.config
-    sft = PretrainTrainer.__new__(PretrainTrainer)
-    sft.__dict__.update(
-        run=build_config(None, []), engine=model, model_config=cfg, loss_family=family, state=TrainerState(),
-        rank=0, device=torch.device("cpu"), _pretrain_loss=llada_pretrain_loss, _dream_loss=dream_sft_loss,
-    )  # fmt: skip
+    run = build_config(None, [])
+    sft = PretrainTask(run.train, cfg)
     gen = torch.Generator().manual_seed(5)
     items = [
         {"input_ids": torch.randint(0, cfg.vocab_size - 3, (32,), generator=gen), "index": i} for i in (3, 8)
@@ -281,18 +271,18 @@ def test_pretraining_micro_step_allocates_no_full_logits(family):
     batch = {**packed_collate(items), "epoch": 0}
     watch = _VocabWideOutputs(cfg.vocab_size, cfg.hidden_size)
     with watch:
-        loss, extra = sft._micro(batch, nan=False)
+        loss, stats, _, _ = sft.micro(model, batch, micro_step=0, rank=0)
         loss.backward()
-    masked_count = int(extra["stats"].num_masked)
+    masked_count = int(stats.num_masked)
     assert 0 < masked_count < 2 * 32 and watch.max_rows <= masked_count, sorted(watch.shapes)
-    noisy, masked, p = sft.corruption(batch)
+    noisy, masked, p = sft.corrupt(batch)
     ids, valid = batch["input_ids"], batch["valid"]
     with torch.no_grad():
         logits = model(noisy, valid=valid)
         if family == "llada":
             old, _ = llada_pretrain_loss(logits, ids, masked, p)
         else:
-            t = sft.run.train  # the run's weighting (Dream's default is CART)
+            t = sft.train  # the run's weighting (Dream's default is CART)
             old, _ = dream_sft_loss(
                 logits, ids, masked, p, scored_positions(valid, "dream"), valid=valid,
                 weighting=t.dream_weighting, cart_p=t.cart_p,

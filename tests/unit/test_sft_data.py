@@ -583,8 +583,10 @@ def test_cutoff_settings_are_checked():
 
 
 def test_trainer_batches_redraw_the_same_cutoff_after_resume():
+    from mdlmpe_ds.config import RunConfig
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.trainer import SFTTrainer
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.tasks.sft import SFTTask
 
     g = torch.Generator().manual_seed(0)
     examples = []
@@ -597,17 +599,15 @@ def test_trainer_batches_redraw_the_same_cutoff_after_resume():
         sampler = LengthGroupedSampler(lengths, 2, seed=5, mega_batch_mult=2)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        t = SFTTrainer.__new__(SFTTrainer)  # only the data path: no engine
-        t.dataset, t.sampler = examples, sampler
-        t.collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=0.5, seed=1)
-        return t
+        collator = SFTCollator(pad_id=0, perbatch_cutoff=INPUT_PAD, resp_cutoff_ratio=0.5, seed=1)
+        return SFTTask(RunConfig().train, preset("llada-tiny"), examples, sampler, collator)  # data path only
 
     straight = trainer()
-    batches = straight._batches()
+    batches = straight.batches()
     head = [next(batches) for _ in range(4)]
     state = straight.sampler.state_dict()
     tail = [next(batches) for _ in range(10)]  # runs into the next epochs
-    resumed = trainer(state)._batches()
+    resumed = trainer(state).batches()
     for expected in tail:
         got = next(resumed)
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)

@@ -35,7 +35,7 @@ from mdlmpe_ds.data.token_store import (
     open_or_build,
     token_dtype,
 )
-from mdlmpe_ds.pretraining import pretrain_corruption
+from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))

@@ -18,6 +18,14 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 from sft_fixtures import make_chat, make_tokenizer  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _logging():
+    """The run's notes (the plan, warnings) are log records, as the launchers configure them."""
+    from mdlmpe_ds.log_setup import configure
+
+    configure(rank=0, force=True)  # whatever an earlier test's entry point set
+
+
 # ------------------------------------------------------------------ config
 def test_cli_and_file_overrides(tmp_path):
     cfg_file = tmp_path / "run.json"
@@ -132,7 +140,7 @@ def fixture_data(tmp_path_factory):
 
 
 def _dry(args, tmp_path):
-    from mdlmpe_ds.trainer import run_sft
+    from mdlmpe_ds.runs.sft import run_sft
 
     run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
     return run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
@@ -217,7 +225,7 @@ def test_malformed_row_names_file_and_row(fixture_data, tmp_path):
 
 
 def test_checkpoint_from_another_model(fixture_data, tmp_path):
-    from mdlmpe_ds.trainer import run_sft
+    from mdlmpe_ds.runs.sft import run_sft
 
     tok, chat = fixture_data
     out = tmp_path / "out"
@@ -239,7 +247,7 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.models.transformer import DiffusionLM
-    from mdlmpe_ds.trainer import model_config_for
+    from mdlmpe_ds.runs.common import model_config_for
 
     tiny = preset("llada-tiny")
     base = dataclasses.replace(

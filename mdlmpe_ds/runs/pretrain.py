@@ -1,43 +1,28 @@
-"""From-scratch pretraining of a masked diffusion LM on packed text (paper §4.3, Appendix B).
-
-Same engine, checkpoints, resume and TensorBoard as SFT (``trainer.py``); what differs:
-
-- data: a text corpus (``data/corpora.py``) tokenised and packed into fixed ``data.max_len``
-  windows (``PackedTokenDataset``), no padding, every token maskable;
-- corruption: LLaDA's forward process, ``t ~ U[0, 1)``, ``p = (1 - eps) t + eps``, token i masked
-  iff ``u_i < p``, where ``(t, u)`` depend only on ``(train.seed, window index, epoch)``
-  (``data.pretrain.corruption_draws``). The model, the position encoding, the rank and the batch a
-  window lands in play no part, so every encoding compared sees exactly the same masks;
-- loss: the family's (LLaDA: ``sum_masked CE / p`` over B L; Dream: its 1/t-weighted mean over the
-  masked tokens, position 0 excluded because Dream's shifted logits cannot predict it);
-- all MDLMPE heads active from the first update (no SFT head warmup, paper Appendix B);
-- validation: the diffusion-ELBO perplexity of ``data.validation`` logged as ``val/ppl`` every
-  ``train.eval_every`` updates and at the end, with fixed draws.
-
-Tokenizer: ``data.tokenizer`` if given, else the model directory's, else a SentencePiece BPE of
-``data.tokenizer_vocab`` pieces trained on the corpus and cached by (files' content, vocab).
+"""A pretraining run assembled (paper §4.3, Appendix B): the tokenizer (``data.tokenizer``, else the
+model directory's, else a SentencePiece BPE of ``data.tokenizer_vocab`` pieces trained on the corpus
+and cached by content), the packed corpus and validation windows, the engine, the pretraining task
+and the trainer (``run_pretrain``); and the pretraining command line (``main``), which
+launch/pretrain.py and the encoding comparison (``python -m mdlmpe_ds.runs.pretrain``) both run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import math
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mdlmpe_ds import engine as eng
-from mdlmpe_ds import recipes
+from mdlmpe_ds import launching, recipes
 from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.data.fingerprint import packed_fingerprint
-from mdlmpe_ds.diffusion.elbo import scored_positions
-from mdlmpe_ds.trainer import (
-    SFTTrainer,
-    _log,
+from mdlmpe_ds.faults import NO_FAULTS, Faults
+from mdlmpe_ds.runs.common import (
     assert_same_on_all_ranks,
     build_engine,
     check_resume_data,
@@ -46,6 +31,8 @@ from mdlmpe_ds.trainer import (
     rank_zero_first,
     total_updates_for,
 )
+
+log = logging.getLogger(__name__)
 
 # Defaults of launch/pretrain.py: the embedded CPU demo (tiny LLaDA-family model on Shakespeare).
 PRETRAIN_DEFAULTS: dict[str, Any] = {
@@ -147,124 +134,6 @@ def resolve_tokenizer_dir(run: RunConfig) -> Path:
     return sentencepiece_for_corpus(run.data.dataset, run.data.tokenizer_vocab)
 
 
-# ------------------------------------------------------------------------------------ trainer
-def pretrain_corruption(
-    batch: dict, seed: int, eps: float, mask_id: int, family: str, layout: str = "iid"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward process on a packed batch: (noisy ids [B, L], scored [B, L] bool, p [B] fp32).
-
-    ``batch`` holds ``input_ids`` [B, L], ``valid`` [B, L], ``index`` [B] (window indices) and
-    ``epoch``. Window i in epoch e is masked by the draws of (seed, i, sample=e) alone: the same
-    masks for every model compared, a fresh draw every epoch. ``layout`` (``train.corruption``,
-    ``diffusion/layouts.py``): ``iid`` is LLaDA's process; ``semi_ar`` / ``spans`` / ``mix`` mask
-    structured layouts. LLaDA's loss divides by B L, so its ``p`` is scaled by the row's scope
-    fraction (1 for iid, bit for bit): every row then weighs as a per-token estimate of its scope
-    (so ``train/nll_by_t`` bins a semi_ar row by that scaled p; per-layout NLLs at the true t come
-    from ``launch/evaluate.py --corruption``). CPU tensors.
-    """
-    from mdlmpe_ds.diffusion.layouts import corrupt_layout
-
-    ids = batch["input_ids"]
-    scorable = scored_positions(batch["valid"], family)
-    draw = corrupt_layout(layout, seed, batch["index"], scorable, int(batch["epoch"]), eps=eps)
-    noisy = torch.where(draw.masked, torch.full_like(ids, mask_id), ids)
-    p = draw.p  # [B] float64
-    if family == "llada":
-        p = p * (draw.scope.sum(1).double() / scorable.sum(1).clamp(min=1).double())
-    return noisy, draw.scored, p.float()
-
-
-class PretrainTrainer(SFTTrainer):
-    """The SFT loop with packed batches, index-keyed corruption, the pretraining loss and validation."""
-
-    def __init__(self, *args, validation: list[dict] | None = None, **kwargs) -> None:
-        from mdlmpe_ds.diffusion.elbo import diffusion_elbo
-        from mdlmpe_ds.diffusion.losses import llada_pretrain_loss
-
-        self._elbo, self._pretrain_loss = diffusion_elbo, llada_pretrain_loss
-        self.validation = validation
-        self.last_validation: dict[str, float] | None = None
-        super().__init__(*args, **kwargs)
-
-    def _batches(self):
-        """Packed micro-batches forever, each tagged with the epoch it belongs to (the epoch is the
-        corruption draw's ``sample``, so a window is masked differently in every epoch)."""
-        while True:
-            for indices in self.sampler:
-                batch = self.collator([self.dataset[i] for i in indices])
-                batch["epoch"] = self.sampler.epoch
-                yield batch
-
-    def corruption(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = self.run.train
-        return pretrain_corruption(
-            batch, t.seed, t.noise_eps, self.model_config.mask_token_id, self.model_config.family,
-            t.corruption,
-        )  # fmt: skip
-
-    def _micro(self, batch: dict, nan: bool) -> tuple[torch.Tensor, dict[str, Any]]:
-        noisy, masked, p = self.corruption(batch)
-        ids, valid = batch["input_ids"].to(self.device), batch["valid"].to(self.device)
-        masked, p = masked.to(self.device), p.to(self.device)
-        from mdlmpe_ds.models.scored_head import group_chunk_count
-
-        logits = self.engine(
-            noisy.to(self.device),
-            valid=valid,
-            scored=masked,
-            targets=ids,
-            head_chunks=group_chunk_count(masked),
-        )  # ScoredCE [M]: the head in chunks, as many on every rank
-        if self.loss_family == "llada":
-            loss, stats = self._pretrain_loss(logits, ids, masked, p)
-        else:
-            loss, stats = self._dream_loss(
-                logits, ids, masked, p, scored_positions(valid, "dream"),
-                weighting=self.run.train.dream_weighting, cart_p=self.run.train.cart_p, valid=valid,
-            )  # fmt: skip
-        if nan:
-            loss = loss * float("nan")
-        return loss, {"stats": stats, "tokens": int(valid.sum()), "samples": int(ids.shape[0])}
-
-    def validate(self) -> dict[str, float]:
-        """Diffusion-ELBO perplexity of the validation windows. Every rank scores the same windows
-        (ZeRO-3 forwards are collective), so no gathering is needed and all ranks agree."""
-        t = self.run.train
-        self.engine.eval()
-        try:
-            result = self._elbo(
-                lambda ids, valid: self.engine(ids.to(self.device), valid=valid.to(self.device)),
-                self.validation,
-                self.model_config.mask_token_id,
-                t.eval_samples,
-                t.seed,
-                eps=t.noise_eps,
-            )
-        finally:
-            self.engine.train()
-        out = {
-            "val/nll": result.nll_per_token,
-            "val/ppl": result.perplexity,
-            "val/nll_stderr": result.stderr,
-            "val/tokens": float(result.num_tokens),
-        }
-        self.last_validation = out
-        return out
-
-    def periodic_metrics(self, step: int) -> dict[str, float]:
-        every = self.run.train.eval_every
-        if not self.validation or not (step == self.total_updates or (every and step % every == 0)):
-            return {}
-        out = self.validate()
-        self.tracker.print(
-            f"update {step}: validation ELBO perplexity {out['val/ppl']:.2f} "
-            f"(nll {out['val/nll']:.4f} ± {out['val/nll_stderr']:.4f} nats/token, "
-            f"{int(out['val/tokens'])} tokens)"
-        )
-        return out
-
-
-# ------------------------------------------------------------------------------------ building a run
 def store_dir(run: RunConfig) -> Path:
     """Where the token stores of this run's corpora live (data.store_dir, else the run's folder)."""
     return Path(run.data.store_dir) if run.data.store_dir else Path(run.train.output_dir) / "data_cache"
@@ -275,6 +144,7 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
     with the positions a ``family`` model is scored on (``maskable``)."""
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.pretrain import packed_collate
+    from mdlmpe_ds.diffusion.elbo import scored_positions
 
     d, t = run.data, run.train
     if d.validation is None:
@@ -294,16 +164,23 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
 
 
 def run_pretrain(
-    run: RunConfig, ds_config_path: str, resume: str | None = None, dry_run: bool = False
+    run: RunConfig,
+    ds_config_path: str,
+    resume: str | None = None,
+    dry_run: bool = False,
+    faults: Faults = NO_FAULTS,
 ) -> dict:
     """Build the packed data, the model under ZeRO-3 and the engine; pretrain. Call inside
-    `engine.distributed_session` (except dry runs)."""
+    `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
     from transformers import AutoTokenizer
 
     from mdlmpe_ds.data.corpora import load_packed_corpus
+    from mdlmpe_ds.data.fingerprint import packed_fingerprint
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.hub.resolve import resolve_run_names
+    from mdlmpe_ds.tasks.pretrain import PretrainTask
+    from mdlmpe_ds.trainer import Trainer
 
     world, rank = eng.world_size(), eng.rank()
     resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
@@ -327,7 +204,7 @@ def run_pretrain(
     if len(dataset) == 0:
         raise ValueError(f"corpus {d.dataset!r} is shorter than one {d.max_len}-token window")
     check_resume_data(resume_from, fingerprint, run)
-    _log(
+    log.info(
         f"data {d.dataset}: {len(dataset)} windows of {d.max_len} tokens "
         f"({dataset.num_tokens:,} tokens, {dataset.doc_ends.size} documents), tokenizer {tok_dir}"
     )
@@ -339,10 +216,10 @@ def run_pretrain(
     engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
     if engine is None:
         return built
-    trainer = PretrainTrainer(
-        run, engine, model_config, dataset, sampler, packed_collate, total, resume_from, str(tok_dir),
-        fingerprint, validation=validation,
-    )  # fmt: skip
+    task = PretrainTask(t, model_config, dataset, sampler, packed_collate, validation=validation)
+    trainer = Trainer(
+        run, engine, model_config, task, total, resume_from, str(tok_dir), fingerprint, faults=faults
+    )
     summary = trainer.train()
     summary.update(
         {
@@ -350,11 +227,104 @@ def run_pretrain(
             "tokenizer": str(tok_dir),
             "output_dir": t.output_dir,
             "finished": trainer.state.step >= total,  # False after train.stop_at
-            "validation": trainer.last_validation,
+            "validation": task.last_validation,
             "tokens_per_epoch": dataset.num_tokens,
             "epochs": (total * t.micro_batch_size * t.grad_accum * world) / max(1, len(dataset)),
         }
     )
-    if trainer.last_validation is not None and not math.isfinite(trainer.last_validation["val/ppl"]):
-        _log("warning: the final validation perplexity is not finite")
+    if task.last_validation is not None and not math.isfinite(task.last_validation["val/ppl"]):
+        log.warning("the final validation perplexity is not finite")
     return summary
+
+
+# ------------------------------------------------------------------------------------ command line
+def _preset_from(tokens: list[str], config_file: str | None) -> str | None:
+    """The model preset named on the command line or in the config file (it picks the recipe)."""
+    for i, token in enumerate(tokens):
+        for key in ("--preset", "--model.preset"):
+            if token == key and i + 1 < len(tokens):
+                return tokens[i + 1]
+            if token.startswith(key + "="):
+                return token.split("=", 1)[1]
+    if config_file is not None:
+        from mdlmpe_ds.config import load_config_file
+
+        flat = load_config_file(config_file)
+        return flat.get("model.preset", flat.get("preset"))
+    return None
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """``summary.json`` (written last, atomically): the run finished; compare_pe.py reuses it."""
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    tmp.replace(out / "summary.json")
+
+
+def _help(argv: list[str]) -> str | None:
+    """Every training-config key with this launcher's defaults, for --help only."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    from mdlmpe_ds.config import help_text
+
+    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
+    return help_text(PRETRAIN_DEFAULTS, recipes=names)
+
+
+def main(
+    argv: list[str] | None = None,
+    script: str | None = None,
+    description: str | None = None,
+    faults: Faults = NO_FAULTS,
+) -> int:
+    """The pretraining command line: parse, re-launch on CPU ranks, build the config (recipe and
+    demo defaults under file and flags), run, and print the summary on rank 0. ``script``: the file
+    a CPU re-launch runs (launch/pretrain.py), else this module (``-m``)."""
+    from functools import partial
+
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.log_setup import configure
+
+    argv = sys.argv[1:] if argv is None else argv
+    description = description or __doc__.split("\n\n")[0]
+    args, rest = launching.base_parser(description, _help(argv)).parse_known_args(argv)
+    launching.prepare_process()
+    ranks = launching.ranks_to_relaunch(args.dry_run)
+    if ranks:
+        return launching.relaunch(script or __spec__.name, ranks, argv, module=script is None)
+    configure()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    recipe, rest = recipes.pop_recipe(rest)
+    preset = _preset_from(rest, args.config)
+    defaults = pretrain_defaults(preset, world, recipe)
+    run = build_config(args.config, rest, defaults=defaults)
+    applied = pretrain_recipe(preset, recipe)
+    if applied and os.environ.get("RANK", "0") == "0":
+        print(recipes.describe(recipes.get(applied), run, world), flush=True)
+
+    def report(summary: dict) -> None:
+        out = Path(run.train.output_dir).resolve()
+        if summary["finished"]:
+            write_summary(out, summary)
+        val = summary.get("validation")
+        lines = [
+            f"\ndone: {summary['total_updates']} updates ({summary['epochs']:.2f} epochs of "
+            f"{summary['tokens_per_epoch']:,} tokens)"
+            + (f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""),
+        ]
+        if val:
+            lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
+        lines += [
+            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
+            f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
+            f"resume with:      {launching.resume_command('launch/pretrain.py', args.deepspeed, rest)}",
+            f"evaluate with:    python launch/evaluate.py {out}",
+        ]
+        print("\n".join(lines), flush=True)
+
+    return launching.run_job(partial(run_pretrain, faults=faults), run, args, report)
+
+
+if __name__ == "__main__":
+    launching.exit_process(main())

@@ -1,0 +1,270 @@
+"""What every training run assembles before its loop: the model config, the output directory and
+resume point, the model and its DeepSpeed engine, the plan, and the checks that all ranks hold the
+same data. ``runs/sft.py`` and ``runs/pretrain.py`` put these together with their own data.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds import collectives, lora
+from mdlmpe_ds import engine as eng
+from mdlmpe_ds.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def model_config_for(run: RunConfig, tokenizer):
+    """The backbone's ModelConfig: a preset with ids from the tokenizer, or a pretrained directory's
+    config; then this run's position encoding, MDLMPE knobs (L_ref = data.max_len unless set) and
+    gradient checkpointing."""
+    import dataclasses
+
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.pe.config import MDLMPEConfig
+
+    m = run.model
+    mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": run.data.max_len, **m.mdlmpe})
+    common = {
+        "position_encoding": m.position_encoding,
+        "gradient_checkpointing": m.gradient_checkpointing,
+        "recompute_mdlmpe_attention": m.recompute_mdlmpe_attention,
+    }
+    if m.model_name_or_path is not None:
+        from mdlmpe_ds.models.hf_io import read_hf_config
+
+        base = read_hf_config(m.model_name_or_path)
+        # L_ref of MDLMPE is the run's max length, and the model config must agree with it.
+        return dataclasses.replace(base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, **common).validate()
+    vocab = m.vocab_size if m.vocab_size is not None else _round_up(len(tokenizer), 64)
+    mask_id = m.mask_token_id
+    if mask_id is None:
+        mask_id = tokenizer.mask_token_id
+        if mask_id is None:
+            mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+            if mask_id is None or mask_id == tokenizer.unk_token_id:
+                own = _preset_with_mask_for(m.preset, len(tokenizer))
+                mask_id, vocab = own.mask_token_id, m.vocab_size or own.vocab_size
+    eos = m.eos_token_id if m.eos_token_id is not None else tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos token; set model.eos_token_id")
+    pad = m.pad_token_id if m.pad_token_id is not None else eos
+    if vocab < len(tokenizer):
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    return preset(
+        m.preset,
+        vocab_size=vocab,
+        mask_token_id=int(mask_id),
+        eos_token_id=int(eos),
+        pad_token_id=int(pad),
+        max_seq_len=max(run.data.max_len, 8),
+        mdlmpe=mdlmpe,
+        **common,
+    )
+
+
+def _preset_with_mask_for(name: str, tokenizer_size: int):
+    """The preset whose own mask id (and table size) serve when the tokenizer declares no mask token:
+    LLaDA's tokenizer has none, and its model config's 126336 is the source of truth. Only when the
+    preset's table covers the tokenizer; else the error naming the key to set."""
+    from mdlmpe_ds.models.presets import preset
+
+    own = preset(name)
+    if own.vocab_size >= tokenizer_size:
+        return own
+    raise ValueError(
+        f"the tokenizer has no mask token (<|mask|>) and preset {name}'s table ({own.vocab_size}) does not "
+        f"cover its {tokenizer_size} tokens; set model.mask_token_id"
+    )
+
+
+def updates_per_epoch(num_batches_per_rank: int, grad_accum: int) -> int:
+    return max(1, num_batches_per_rank // grad_accum)
+
+
+def total_updates_for(run: RunConfig, num_batches_per_rank: int) -> int:
+    if run.train.max_steps is not None:
+        return run.train.max_steps
+    return max(1, math.ceil(run.train.epochs * updates_per_epoch(num_batches_per_rank, run.train.grad_accum)))
+
+
+def describe_plan(run: RunConfig, model_config, world: int, total: int, n_examples: int, params: dict) -> str:
+    t = run.train
+    per_update = t.micro_batch_size * t.grad_accum * world
+    scheduled = t.head_schedule and model_config.position_encoding == "mdlmpe"
+    return "\n".join(
+        [
+            f"model: {run.model.model_name_or_path or run.model.preset} ({model_config.family}), "
+            f"position encoding {model_config.position_encoding}",
+            f"parameters: backbone {params['backbone']:,}  mdlmpe {params['mdlmpe']:,}  "
+            f"total {params['total']:,}",
+            f"data: {n_examples} examples, max_len {run.data.max_len}",
+            f"batch: micro {t.micro_batch_size} x grad_accum {t.grad_accum} x world {world} = {per_update} "
+            f"sequences per update",
+            f"updates: {total} (warmup {run.warmup_updates(total)}, cosine {run.optim.cosine}), "
+            f"~{total * per_update / max(1, n_examples):.2f} epochs",
+            f"head schedule: {'on' if scheduled else 'off'};"
+            f" checkpoints every {t.save_every} updates into {Path(t.output_dir) / 'checkpoints'}"
+            f" (keep {t.keep_last})",
+        ]
+    )
+
+
+def assert_same_on_all_ranks(fingerprint: str, what: str) -> None:
+    """Raise ``what`` (with every rank's digest) unless all ranks hold the same hex ``fingerprint``
+    (data/fingerprint.py: the sampler indexes the data globally, so every rank must hold the same)."""
+    if not dist.is_initialized():
+        return
+    mine = torch.tensor(list(bytes.fromhex(fingerprint)), dtype=torch.uint8)  # [32], host: gloo
+    gathered = collectives.all_gather(mine, setup=True)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        raise RuntimeError(f"{what} (fingerprints {[bytes(g.tolist()).hex()[:16] for g in gathered]})")
+
+
+def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False) -> None:
+    """Rank 0, then everyone: finish or discard what a killed save left; refuse (or, with
+    train.overwrite_output_dir, clear) an output_dir holding another run's checkpoints when this run
+    does not resume. A dry run only checks."""
+    t = run.train
+    if eng.rank() == 0:
+        for action in [] if dry_run else ckpt.recover_interrupted(t.output_dir):
+            log.info(action)
+        existing = ckpt.existing_run(t.output_dir)
+        if resume is None and existing:
+            if not t.overwrite_output_dir:
+                names = ", ".join(p.name for p in existing)
+                raise FileExistsError(
+                    f"{t.output_dir} already holds checkpoints of a run ({names}). "
+                    f"Continue it with --resume auto, or start over with --overwrite_output_dir true "
+                    f"(deletes its checkpoints, metrics and TensorBoard logs), or pick another --output_dir"
+                )
+            out = Path(t.output_dir)
+            if dry_run:
+                log.info(f"--overwrite_output_dir: the run would delete the earlier run in {out}")
+                return
+            for stale in (ckpt.checkpoints_root(out), out / "tensorboard"):
+                shutil.rmtree(stale, ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            log.info(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
+    eng.barrier()
+
+
+def prepare_resume(
+    resume: str | None, run: RunConfig, model_config, ds_config: dict, dry_run: bool = False
+) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run), verified against its manifest and checked
+    against this model before any data or engine work; checkpoints newer than it are moved aside
+    (checkpoint.supersede_newer); a checkpoint of another world size switches the engine to its
+    universal copy."""
+    prepare_output_dir(resume, run, dry_run)
+    resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.info)
+    eng.barrier()  # every rank has verified before rank 0 may move anything
+    if resume_from is None:
+        return None
+    if eng.rank() == 0 and not dry_run:
+        for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
+            log.info(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
+    eng.barrier()
+    saved = ckpt.read_saved_run(resume_from)
+    ckpt.check_same_model(saved, model_config.to_dict())
+    world = eng.world_size()
+    if saved.world_size != world:
+        if not (resume_from / ckpt.DS_UNIVERSAL_TAG).is_dir():
+            raise RuntimeError(eng.load_universal_instructions(resume_from, saved.world_size, world))
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        log.info(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
+    return resume_from
+
+
+def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):
+    """The model under ZeRO-3: weights created partitioned with the run's seed (the same on every
+    rank), MDLMPE initialised, a pretrained directory streamed in. A dry run builds on the meta
+    device only. The one place a run's model is made (and wrapped, e.g. by adapters)."""
+    from mdlmpe_ds.models.transformer import DiffusionLM
+
+    torch.manual_seed(run.train.seed)  # same initial weights on every rank
+    model = eng.build_model(lambda: DiffusionLM(model_config), ds_config, meta=dry_run)
+    if not dry_run:
+        eng.init_mdlmpe_parameters(model)
+        if run.model.model_name_or_path is not None:
+            from mdlmpe_ds.models.hf_io import load_weights_into
+
+            load_weights_into(model, run.model.model_name_or_path, gathered=eng.gathered_factory())
+    return model
+
+
+def build_engine(
+    run: RunConfig,
+    model_config,
+    ds_config: dict,
+    total: int,
+    n_examples: int,
+    dry_run: bool,
+    resume_from: Path | None = None,
+):
+    """The model under ZeRO-3 (weights created partitioned, MDLMPE initialised, a pretrained
+    directory streamed in) and its DeepSpeed engine; logs the plan. Returns (engine, result) where a
+    dry run builds on the meta device only and returns (None, {plan, total_updates, params})."""
+    model = build_model(run, model_config, ds_config, dry_run)
+    params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
+    params["total"] = params["backbone"] + params["mdlmpe"]
+    plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    plan += lora.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
+    from mdlmpe_ds.memory_plan import plan_memory
+
+    memory = plan_memory(
+        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
+        **lora.memory_plan_kwargs(params),
+    )  # fmt: skip
+    plan += "\n" + memory.format()
+    if dry_run:
+        log.info("dry run (meta device, nothing allocated):\n" + plan)
+        return None, {
+            "plan": plan,
+            "total_updates": total,
+            "params": params,
+            "memory_gib": memory.total / 2**30,
+        }
+    log.info(plan)
+    return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
+
+
+def check_resume_data(resume_from: Path | None, fingerprint: str, run: RunConfig) -> None:
+    """Refuse to resume on other data than the checkpoint's (train.allow_data_change overrides)."""
+    if resume_from is None:
+        return
+    warning = ckpt.check_same_data(ckpt.read_saved_run(resume_from), fingerprint, run.train.allow_data_change)
+    if warning:
+        log.warning(warning)
+
+
+def rank_zero_first(build: Callable[[], Any]) -> Any:
+    """``build()`` on each node's local rank 0, then on the node's other ranks: `datasets` writes
+    its Arrow cache (and we our tokenizer and data caches) on first use, and ranks building it at
+    the same time were seen to disagree; the others then read what their node's first rank cached.
+
+    Nodes build at the same time (their caches may be one shared folder: the writes are atomic
+    renames). The waits are on the setup group (``train.setup_timeout_min``), before and after the
+    others' build, so no rank waits for data on the short collective timeout.
+    """
+    first = collectives.local_rank() == 0
+    if first:
+        out = build()
+    collectives.setup_barrier("data setup on each node's first rank")
+    if not first:
+        out = build()
+    collectives.setup_barrier("data setup on the other ranks")
+    return out
