@@ -211,7 +211,7 @@ class RunConfig:
         if not isinstance(m.mdlmpe, dict):
             raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
         if m.lora is not None:
-            from mdlmpe_ds.lora import parse
+            from mdlmpe_ds.lora_spec import parse
 
             m.lora = parse(m.lora, "model.lora").text()
         if d.max_len < 8:
@@ -424,7 +424,7 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -
         section, name = resolve_key(key, source)
         target = getattr(config, section)
         if section == "model" and name == "lora" and isinstance(value, dict):  # a config-file section
-            from mdlmpe_ds.lora import from_mapping
+            from mdlmpe_ds.lora_spec import from_mapping
 
             target.lora = from_mapping(value, f"{source}: model.lora").text()
             continue

@@ -236,29 +236,24 @@ def build_model(
     return model
 
 
-def add_lora(
-    model: torch.nn.Module, spec, ds_config: dict[str, Any], seed: int, *, meta: bool = False
+def add_parameters(
+    model: torch.nn.Module,
+    add: Callable[[torch.nn.Module], Any],
+    ds_config: dict[str, Any],
+    *,
+    meta: bool = False,
 ) -> None:
-    """Wrap the target projections of a built model with LoRA adapters (mdlmpe_ds/lora.py) and
-    freeze the backbone; collective under ZeRO-3.
-
-    Called after the base weights are in place (the pretrained directory is streamed in under the
-    plain module names). The adapters are created inside ``zero.Init`` with the model's dtype, so
-    they are partitioned like every other parameter, then set to rank 0's deterministic draw
-    (A kaiming-uniform keyed by ``seed`` and the module name, B = 0: the run starts at the base).
-    """
-    from mdlmpe_ds import lora
-
+    """``add(model)`` creates new parameters on a built model (LoRA adapters, mdlmpe_ds/lora.py):
+    inside ``zero.Init``, so they are partitioned like every other parameter and in the model's
+    dtype (checked), or on the meta device for a dry run. Collective under ZeRO-3."""
     if meta:
         with torch.device("meta"):
-            lora.inject(model, spec)
+            add(model)
         return
-    lora.import_peft()  # before zero.Init: importing peft inside it fails
     deepspeed = _deepspeed()
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        lora.inject(model, spec)
+        add(model)
     check_param_dtypes(model, param_dtype(ds_config))
-    lora.reset_adapters(model, seed, deepspeed.zero.GatheredParameters, rank() == 0)
 
 
 def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ LEVELS: dict[str, int] = {
     "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
     "trainer": 72,  # the loop
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
+    "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
     "tracking": 62,
     "lifecycle": 62,
     "log_setup": 62,
@@ -33,6 +34,7 @@ LEVELS: dict[str, int] = {
     "checkpoint": 60,
     "memory_plan": 58,
     "config": 55,
+    "lora_spec": 54,  # the --lora spec the run config validates
     "models": 50,
     "data": 45,
     "diffusion": 45,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdlmpe_ds.data.pretrain import corruption_draws
 from mdlmpe_ds.diffusion.elbo import noise_level
 from mdlmpe_ds.diffusion.layouts import (
     LAYOUTS,
@@ -17,6 +16,7 @@ from mdlmpe_ds.diffusion.layouts import (
     default_span_mean,
     span_chain,
 )
+from mdlmpe_ds.seeding import corruption_draws
 from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 L = 256

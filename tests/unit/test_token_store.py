@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from mdlmpe_ds.data import named_corpora as named
 from mdlmpe_ds.data.corpora import load_packed_corpus
 from mdlmpe_ds.data.fingerprint import Fingerprint, packed_fingerprint
-from mdlmpe_ds.data.pretrain import PackedTokenDataset, corruption_draws, packed_collate
+from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate
 from mdlmpe_ds.data.token_store import (
     COMPLETE,
     StoreError,
@@ -35,6 +35,7 @@ from mdlmpe_ds.data.token_store import (
     open_or_build,
     token_dtype,
 )
+from mdlmpe_ds.seeding import corruption_draws
 from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 REPO = Path(__file__).resolve().parents[2]
