@@ -36,6 +36,7 @@ def build_step(args: argparse.Namespace, pe: str):
     """(model, step function) for one encoding: same seed, batch and corruption for both."""
     import torch
 
+    from mdlmpe_ds.attention import AttentionImpl
     from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
     from mdlmpe_ds.diffusion.losses import llada_sft_loss
     from mdlmpe_ds.models.presets import preset
@@ -43,7 +44,7 @@ def build_step(args: argparse.Namespace, pe: str):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    mdlmpe = {"backend": args.backend, "block_size": args.block_size, "compile": args.compile}
+    impl = AttentionImpl(backend=args.backend, query_block=args.block_size, compile=args.compile)
     config = preset(
         args.preset,
         vocab_size=args.vocab,
@@ -53,10 +54,9 @@ def build_step(args: argparse.Namespace, pe: str):
         max_seq_len=args.seq_len,
         position_encoding=pe,
         gradient_checkpointing=True,
-        mdlmpe=mdlmpe,
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = DiffusionLM(config, device=device).to(dtype).train()
+    model = DiffusionLM(config, device=device, impl=impl).to(dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, args.vocab - 1, (args.batch, args.seq_len), generator=gen).to(device)  # [B, L]

@@ -1,6 +1,6 @@
 """Typed training configuration for SFT and pretraining runs: model choice, data, optimisation, loop.
 
-One `RunConfig` (four sections) is built from dataclass defaults (the embedded CPU demo), then an
+One `RunConfig` (five sections) is built from dataclass defaults (the embedded CPU demo), then an
 optional `--config file.json|yaml`, then `--key value` command-line overrides, and is validated
 before anything is built. It is saved as `config.json` into every checkpoint, so a resume can
 check that it continues the same model.
@@ -18,6 +18,8 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from mdlmpe_ds.attention.impl import AttentionImpl
 
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
 LOSS_FAMILIES = ("auto", "llada", "dream")
@@ -46,7 +48,8 @@ class ModelChoice:
     mask_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"backend": "reference", "tau_max": 0.2}.
+    # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"tau_max": 0.2, "coordinate": "mlp"}.
+    # How the attention runs (backend, block, compile) is the `attention` section, not a model key.
     mdlmpe: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = True
     # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
@@ -84,7 +87,7 @@ class DataConfig:
     resp_cutoff_ratio: float = 0.0
     # Round each batch's width (longest row) up to a multiple of this, capped at max_len; the extra
     # columns are EOS padding like the rest. With the compiled MDLMPE attention
-    # (model.mdlmpe.compile) every distinct width is a new graph, so a multiple such as 64 bounds
+    # (attention.compile) every distinct width is a new graph, so a multiple such as 64 bounds
     # the compiles (torch.compile stops at 8 per graph and falls back to eager). None: no rounding.
     pad_to_multiple_of: int | None = None
     # ---- pretraining only (launch/pretrain.py; SFT ignores these) ----
@@ -181,6 +184,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # How MDLMPE attention is computed on this run (passed to DiffusionLM, never saved in the model).
+    attention: AttentionImpl = field(default_factory=AttentionImpl)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> RunConfig:
@@ -198,6 +203,16 @@ class RunConfig:
                 raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
         if not isinstance(m.mdlmpe, dict):
             raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
+        from mdlmpe_ds.pe.config import MDLMPEConfig
+
+        try:  # names a moved key (backend, block_size, ...) with where it went; unknown keys
+            MDLMPEConfig.from_dict({"max_seq_len": d.max_len, **m.mdlmpe})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"training config: model.mdlmpe: {err}") from err
+        try:
+            self.attention.validate()
+        except ValueError as err:
+            raise ValueError(f"training config: {err}") from err
         if d.max_len < 8:
             raise bad("data.max_len", d.max_len, "must be >= 8")
         if d.multiturn not in MULTITURN:
@@ -309,7 +324,7 @@ class RunConfig:
         return config
 
 
-SECTIONS = ("model", "data", "optim", "train")
+SECTIONS = ("model", "data", "optim", "train", "attention")
 KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 
@@ -332,7 +347,8 @@ def valid_keys() -> list[str]:
 
 
 def _section_type(section: str) -> type:
-    return {"model": ModelChoice, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}[section]
+    types_ = {"model": ModelChoice, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+    return {**types_, "attention": AttentionImpl}[section]
 
 
 def resolve_key(key: str, source: str) -> tuple[str, str]:
@@ -474,7 +490,11 @@ _KEY_HELP = {
     "model.mask_token_id": "preset mask id; None: the tokenizer's mask token, else the preset's own",
     "model.eos_token_id": "preset EOS id; None: the tokenizer's",
     "model.pad_token_id": "preset pad id; None: the EOS id",
-    "model.mdlmpe": 'MDLMPE knobs as JSON, e.g. \'{"backend": "reference", "tau_max": 0.2}\'',
+    "model.mdlmpe": "MDLMPE knobs as JSON, e.g. '{\"tau_max\": 0.2}'",
+    "attention.backend": "MDLMPE attention: auto (triton on CUDA, else blocked), reference, blocked, triton",
+    "attention.query_block": "query rows per block of the blocked MDLMPE attention",
+    "attention.tile": "Triton kernel tile (power of 2, <= 64); None: chosen per GPU",
+    "attention.compile": "run the blocked MDLMPE attention through torch.compile (same numbers)",
     "model.gradient_checkpointing": "activation checkpointing per layer",
     "data.dataset": "chat data: 'chat-demo', a .json/.jsonl/.parquet file, a directory, a hub name[:config]",
     "data.tokenizer": "tokenizer directory or hub id; None: the model's (or the demo's)",

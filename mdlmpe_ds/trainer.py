@@ -689,7 +689,7 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     from mdlmpe_ds.models.transformer import DiffusionLM
 
     torch.manual_seed(run.train.seed)  # same initial weights on every rank
-    model = eng.build_model(lambda: DiffusionLM(model_config), ds_config, meta=dry_run)
+    model = eng.build_model(lambda: DiffusionLM(model_config, impl=run.attention), ds_config, meta=dry_run)
     if not dry_run:
         eng.init_mdlmpe_parameters(model)
         if run.model.model_name_or_path is not None:
@@ -702,7 +702,12 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     from mdlmpe_ds.memory_plan import plan_memory
 
     memory = plan_memory(
-        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len
+        model_config,
+        ds_config,
+        eng.world_size(),
+        run.train.micro_batch_size,
+        run.data.max_len,
+        impl=run.attention,
     )
     plan += "\n" + memory.format()
     if dry_run:
@@ -795,10 +800,10 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
         pad_to_multiple_of=run.data.pad_to_multiple_of,
         seed=t.seed,
     )
-    compiled = model_config.position_encoding == "mdlmpe" and model_config.mdlmpe.compile
+    compiled = model_config.position_encoding == "mdlmpe" and run.attention.compile
     if compiled and not run.data.pad_to_multiple_of and run.data.perbatch_cutoff == "none":
         _log(
-            "warning: model.mdlmpe.compile with batches as wide as their longest row: every new width "
+            "warning: attention.compile with batches as wide as their longest row: every new width "
             "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
         )
     engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
