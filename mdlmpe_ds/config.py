@@ -12,6 +12,7 @@ the valid ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import typing
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
 LOSS_FAMILIES = ("auto", "llada", "dream")
@@ -48,9 +50,10 @@ class ModelChoice:
     mask_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"tau_max": 0.2, "coordinate": "mlp"}.
-    # How the attention runs (backend, block, compile) is the `attention` section, not a model key.
-    mdlmpe: dict[str, Any] = field(default_factory=dict)
+    # MDLMPE's method keys (pe/config.py MDLMPEConfig): a JSON object merged into the defaults
+    # (--model.mdlmpe '{"tau_max": 0.2}') or one key (--model.mdlmpe.tau_max 0.2); max_seq_len -1
+    # follows data.max_len. How the attention runs is the `attention` section, not a model key.
+    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
     gradient_checkpointing: bool = True
     # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
     # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
@@ -201,13 +204,11 @@ class RunConfig:
 
             if not looks_like_hub_id(m.model_name_or_path):
                 raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
-        if not isinstance(m.mdlmpe, dict):
-            raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
-        from mdlmpe_ds.pe.config import MDLMPEConfig
-
-        try:  # names a moved key (backend, block_size, ...) with where it went; unknown keys
-            MDLMPEConfig.from_dict({"max_seq_len": d.max_len, **m.mdlmpe})
-        except (TypeError, ValueError) as err:
+        if not isinstance(m.mdlmpe, MDLMPEConfig):
+            raise bad("model.mdlmpe", m.mdlmpe, "must be an MDLMPEConfig")
+        try:
+            self.mdlmpe_config().validate()
+        except ValueError as err:
             raise ValueError(f"training config: model.mdlmpe: {err}") from err
         try:
             self.attention.validate()
@@ -301,6 +302,13 @@ class RunConfig:
             )
         return self
 
+    def mdlmpe_config(self) -> MDLMPEConfig:
+        """model.mdlmpe with L_ref = data.max_len unless set (not validated)."""
+        mdlmpe = self.model.mdlmpe
+        if mdlmpe.max_seq_len != FOLLOW_MODEL:
+            return mdlmpe
+        return dataclasses.replace(mdlmpe, max_seq_len=self.data.max_len)
+
     @property
     def lr(self) -> float:
         """The peak learning rate: optim.lr, else 3e-3 for presets and 1e-5 for pretrained models."""
@@ -354,6 +362,8 @@ def _section_type(section: str) -> type:
 def resolve_key(key: str, source: str) -> tuple[str, str]:
     """'optim.lr' or 'lr' -> ('optim', 'lr'); unknown or ambiguous keys raise listing valid keys."""
     key = KEY_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+    if key.startswith("model.mdlmpe."):  # one MDLMPE method key
+        return "model", key.removeprefix("model.")
     if "." in key:
         section, name = key.split(".", 1)
         if section in SECTIONS and name in {f.name for f in fields(_section_type(section))}:
@@ -421,12 +431,25 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -
     for key, value in overrides.items():
         section, name = resolve_key(key, source)
         target = getattr(config, section)
-        if section == "model" and name == "mdlmpe":
-            merged = dict(target.mdlmpe)
-            merged.update(coerce(value, dict[str, Any], f"{section}.{name}", source))
-            target.mdlmpe = merged
+        if section == "model" and name.startswith("mdlmpe"):
+            changes = {name.removeprefix("mdlmpe."): value} if "." in name else None
+            if changes is None:
+                changes = coerce(value, dict[str, Any], "model.mdlmpe", source)
+            target.mdlmpe = _updated_mdlmpe(target.mdlmpe, changes, source)
             continue
         setattr(target, name, coerce(value, _field_type(section, name), f"{section}.{name}", source))
+
+
+def _updated_mdlmpe(mdlmpe: MDLMPEConfig, changes: dict[str, Any], source: str) -> MDLMPEConfig:
+    """``mdlmpe`` with ``changes`` applied, each value converted to its field's type; a moved key
+    (backend, block_size, ...) says where it went, an unknown one lists the known keys."""
+    try:
+        MDLMPEConfig.check_keys(changes)
+    except ValueError as err:
+        raise ValueError(f"{source}: model.mdlmpe: {err}") from err
+    hints = typing.get_type_hints(MDLMPEConfig)
+    typed = {k: coerce(v, hints[k], f"model.mdlmpe.{k}", source) for k, v in changes.items()}
+    return dataclasses.replace(mdlmpe, **typed)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

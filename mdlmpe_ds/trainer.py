@@ -527,10 +527,9 @@ def model_config_for(run: RunConfig, tokenizer):
     import dataclasses
 
     from mdlmpe_ds.models.presets import preset
-    from mdlmpe_ds.pe.config import MDLMPEConfig
 
     m = run.model
-    mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": run.data.max_len, **m.mdlmpe})
+    mdlmpe = run.mdlmpe_config().validate()
     common = {
         "position_encoding": m.position_encoding,
         "gradient_checkpointing": m.gradient_checkpointing,

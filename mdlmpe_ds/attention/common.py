@@ -1,5 +1,5 @@
 """Pieces shared by every attention path: input checks, GQA expansion, the key-padding bias, plain
-RoPE SDPA.
+RoPE SDPA and SDPA with the ALiBi bias.
 
 Conventions (all paths): q [B, Hq, L, d_h] and k, v [B, Hkv, L, d_h] are already RoPE-rotated;
 ``key_valid`` [B, L] is True where a key may be attended. Masked keys get an additive
@@ -130,3 +130,14 @@ def rope_attention(
         if not bool(has_key.all()):
             q = q * has_key[:, None, None, None].to(q.dtype)
     return grouped_sdpa(q, k, v, bias, scale)
+
+
+def alibi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Bidirectional SDPA with the ALiBi bias of ``pe.alibi.alibi_bias`` (fp32 [B|1, H, L, L]).
+    q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated). [B, Hq, L, d].
+
+    The fp32 bias is clamped to q's dtype range before the cast: finfo(float32).min on padded keys
+    would become -inf in bf16 / fp16 (NaN rows)."""
+    return grouped_sdpa(q, k, v, bias.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale)

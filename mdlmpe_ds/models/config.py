@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mdlmpe_ds.pe.config import MDLMPEConfig, drop_moved_keys
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, drop_moved_keys
 
 FAMILIES = ("llada", "dream")
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
@@ -40,7 +40,7 @@ class ModelConfig:
     eos_token_id: int = 126081
     pad_token_id: int = 126081
     position_encoding: str = "rope"
-    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=-1))
+    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
     gradient_checkpointing: bool = False
     # With gradient_checkpointing and an MDLMPE attention that manages its own memory (the blocked
     # and triton backends: every one but the reference), the layer checkpoint leaves the attention out:
@@ -53,7 +53,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.mdlmpe, dict):
             self.mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": self.max_seq_len, **self.mdlmpe})
-        elif self.mdlmpe.max_seq_len == -1:  # the default factory's "not given": follow the model
+        elif self.mdlmpe.max_seq_len == FOLLOW_MODEL:  # "not given": follow the model
             self.mdlmpe.max_seq_len = self.max_seq_len
 
     # --- what the family decides (MODELS.md "Implications") ---

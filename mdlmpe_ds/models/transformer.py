@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mdlmpe_ds.attention import AttentionImpl, mdlmpe_attention, rope_attention
+from mdlmpe_ds.attention.common import alibi_attention
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.layers import (
     NormalEmbedding,
@@ -45,7 +46,7 @@ from mdlmpe_ds.models.scored_head import (
     scored_source_columns,
 )
 from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
-from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
+from mdlmpe_ds.pe.alibi import alibi_bias
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
 from mdlmpe_ds.pe.phase import PhaseMLP
 from mdlmpe_ds.pe.rope import apply_rotary, rotary_angles

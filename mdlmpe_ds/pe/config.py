@@ -7,10 +7,13 @@ tested without the trainer's configuration tree; the trainer's ``ModelConfig`` e
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 COORDINATES = ("sine", "mlp", "none")
+# max_seq_len "not given": L_ref follows the length of the model (ModelConfig) or run (RunConfig).
+FOLLOW_MODEL = -1
 
 # Keys this config once had that say how the attention is computed, not what it computes; they
 # moved to the run's attention section (mdlmpe_ds.attention.impl.AttentionImpl). None: removed
@@ -119,14 +122,20 @@ class MDLMPEConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
-        """A validated config from ``data``; a key of MOVED_KEYS is an error that says where it went
-        (read stored configs through :func:`drop_moved_keys` first)."""
-        for key in data:
+    def check_keys(cls, keys: Iterable[str]) -> None:
+        """Raise for a key of MOVED_KEYS (saying where it went) or an unknown key (listing the known)."""
+        keys = list(keys)
+        for key in keys:
             if key in MOVED_KEYS:
                 raise _moved_key_error(key)
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(keys) - known)
         if unknown:
             raise ValueError(f"mdlmpe config: unknown keys {unknown}; known keys are {sorted(known)}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
+        """A validated config from ``data``; a key of MOVED_KEYS is an error that says where it went
+        (read stored configs through :func:`drop_moved_keys` first)."""
+        cls.check_keys(data)
         return cls(**data).validate()

@@ -12,6 +12,7 @@ import pytest
 from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds.config import RunConfig, build_config
 from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -27,8 +28,39 @@ def test_cli_and_file_overrides(tmp_path):
     )
     assert run.optim.lr == 1e-5  # command line beats the file
     assert run.train.grad_accum == 4 and run.data.max_len == 256
-    assert run.model.mdlmpe == {"tau_max": 0.2} and run.train.head_schedule is False
+    assert (
+        run.model.mdlmpe == MDLMPEConfig(max_seq_len=FOLLOW_MODEL, tau_max=0.2)
+        and run.train.head_schedule is False
+    )
+    assert run.mdlmpe_config() == MDLMPEConfig(max_seq_len=256, tau_max=0.2)  # L_ref = data.max_len
     assert RunConfig.from_dict(run.to_dict()).to_dict() == run.to_dict()
+
+
+def test_mdlmpe_method_keys_are_typed():
+    """model.mdlmpe is an MDLMPEConfig: one key at a time takes its field's type, a JSON object
+    merges into the keys set before, and a bad value or unknown key names the key."""
+    run = build_config(
+        None,
+        [
+            "--model.mdlmpe.use_gaussian",
+            "false",
+            "--model.mdlmpe",
+            '{"rho": 0.5}',
+            "--model.mdlmpe.phase_hidden",
+            "8",
+        ],
+    )
+    assert (run.model.mdlmpe.use_gaussian, run.model.mdlmpe.rho, run.model.mdlmpe.phase_hidden) == (
+        False,
+        0.5,
+        8,
+    )
+    with pytest.raises(ValueError, match=r"bad value 'yes please' for model\.mdlmpe\.use_embedding"):
+        build_config(None, ["--model.mdlmpe.use_embedding", "yes please"])
+    with pytest.raises(ValueError, match=r"model\.mdlmpe: mdlmpe config: unknown keys \['tau'\]"):
+        build_config(None, ["--model.mdlmpe", '{"tau": 0.1}'])
+    with pytest.raises(ValueError, match=r"model\.mdlmpe: mdlmpe config: coordinate='cosine' must be one of"):
+        build_config(None, ["--model.mdlmpe.coordinate", "cosine"])
 
 
 def test_unknown_key_lists_valid_keys():
