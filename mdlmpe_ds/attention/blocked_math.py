@@ -11,8 +11,9 @@ with hand-derived formulas:
 - region 2 (:func:`attend_forward`, :func:`attend_backward`): the scores q.k + E, softmax and PV
   for every active head, and their gradients.
 
-The pieces are plain torch functions. They run as they are (eager) or each wrapped by
-torch.compile (:func:`compiled_pieces`); the numbers are the same. All maths in fp32.
+The pieces are plain torch functions. They run as they are (:data:`EAGER`) or each wrapped by
+torch.compile (:func:`compiled_pieces`), region 2's sums then written per head so inductor fuses
+them (:func:`_correction`); the numbers are the same. All maths in fp32.
 """
 
 from __future__ import annotations
