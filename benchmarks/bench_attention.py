@@ -117,7 +117,7 @@ def method_blocked(inp: dict, case: Case) -> torch.Tensor:
 
 def method_triton(inp: dict, case: Case) -> torch.Tensor:
     """GPU hook: the fused Triton kernel (another module; needs CUDA or TRITON_INTERPRET=1)."""
-    from mdlmpe_ds.attention.triton_backend import check_triton_available, triton_attention
+    from mdlmpe_ds.attention.triton.backend import check_triton_available, triton_attention
 
     check_triton_available()
     return triton_attention(
@@ -130,7 +130,7 @@ def method_triton(inp: dict, case: Case) -> torch.Tensor:
         tau_max=TAU_MAX,
         clip_kappa=CLIP_KAPPA,
         active_kv=inp["active"],
-        # The kernel's own tile for this GPU, head size and dtype (triton_launch.launch_config):
+        # The kernel's own tile for this GPU, head size and dtype (triton.launch.launch_config):
         # case.block_size is the blocked path's query block (128), above any GPU tile.
     )
 

@@ -16,9 +16,9 @@ Run on a CUDA machine (exits with a message otherwise):
     python benchmarks/bench_attention_gpu.py --lengths 2048 --tile 16 --heads-per-program 8 --skip-blocked
     python benchmarks/bench_attention_gpu.py --json bench_gpu.json
 Triton launch settings not given on the command line (tile, heads per program, pair chunk, warps,
-stages) are the backend's own (``triton_launch.launch_config`` for the head size, dtype and GPU).
-Without a GPU, ``--compile-only`` compiles the three kernels ahead of time for ``--arch`` (sm_90,
-H100, by default) with exactly those settings (``triton_aot.compile_kernel``, as the launcher
+stages) are the backend's own (``triton.launch.launch_config`` for the head size, dtype and GPU).
+Without a GPU, ``--compile-only`` compiles the two kernels ahead of time for ``--arch`` (sm_90,
+H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as the launcher
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
 Targets (issue 8): Triton fwd+bwd <= 20x flash RoPE at L = 2048 (ideal ~13x), whole-step <= 2.3x,
@@ -52,12 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=LLADA["kv_heads"])
     p.add_argument("--head-dim", type=int, default=LLADA["head_dim"])
     p.add_argument("--active-fraction", type=float, default=1.0, help="share of KV heads with MDLMPE")
-    # Triton launch settings: None = the backend's (triton_launch.launch_config).
+    # Triton launch settings: None = the backend's (triton.launch.launch_config).
     p.add_argument("--tile", type=int, default=None, help="Triton row/key tile (attention.tile)")
     p.add_argument("--heads-per-program", type=int, default=None, help="Triton heads sharing alpha/beta")
     p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
     p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
     p.add_argument("--num-stages", type=int, default=None, help="Triton software-pipelining stages")
+    p.add_argument("--pair-split", type=int, default=None, help="Triton pair sub-chunks (1 or 2)")
     p.add_argument("--max-registers", type=int, default=None, help="Triton maxnreg (registers/thread)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="q, k, v dtype")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
@@ -92,7 +93,7 @@ def time_fwd_bwd(step: Callable[[], None], warmup: int, iters: int) -> tuple[flo
 
 def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callable[[], None]]:
     """One closure per method doing fwd + bwd on the same bf16 inputs (leaf grads reset each call)."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     dev, dtype = "cuda", getattr(torch, args.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -195,16 +196,17 @@ def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
         num_warps=args.num_warps,
         num_stages=args.num_stages,
         max_registers=args.max_registers,
+        pair_split=args.pair_split,
     )
     return {k: v for k, v in given.items() if v is not None}
 
 
 def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Compile the forward, dK/dV and dQ kernels for ``--arch`` with the launcher's settings for
+    """Compile the forward and backward kernels for ``--arch`` with the launcher's settings for
     ``--head-dim`` and ``--dtype`` (plus any given on the command line) and print each cubin's
     shared memory (against the target's limit), registers and spill stack per thread."""
-    from mdlmpe_ds.attention.triton_aot import compile_kernel
-    from mdlmpe_ds.attention.triton_launch import KERNELS, launch_config
+    from mdlmpe_ds.attention.triton.aot import compile_kernel
+    from mdlmpe_ds.attention.triton.launch import KERNELS, launch_config
 
     dtype = getattr(torch, args.dtype)
     config = launch_config(args.head_dim, dtype, args.arch)
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention_gpu: needs a CUDA device (none visible); nothing measured", file=sys.stderr)
         return 2
-    from mdlmpe_ds.attention.triton_backend import check_triton_available
+    from mdlmpe_ds.attention.triton.backend import check_triton_available
 
     check_triton_available()
     device = torch.cuda.get_device_name()

@@ -17,6 +17,14 @@ The step runs on the bare module (no DeepSpeed: the engine's per-step overhead i
 encodings). The vocabulary defaults to 4,096 so the LM head does not hide the attention cost; pass
 --vocab 151680 for the demo's Qwen2.5 vocabulary.
 Target (issue 4): MDLMPE <= 3x RoPE step time and <= 1.5x its peak memory.
+
+    python benchmarks/bench_sft_step.py --lora               # LoRA vs full fine-tune
+
+With --lora the MDLMPE model is stepped twice in one process, fully fine-tuned and with LoRA
+(default spec r=16,alpha=32,dropout=0.05 on all seven projections; --lora SPEC picks another): the
+AdamW state is measured as the bytes of the optimizer's tensors after the warm-up steps (what ZeRO-3
+shards), with the gradient bytes of the trainable parameters and the step time; printed as LoRA / full
+ratios.
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ import time
 from proc_memory import reset_peak, status_kb
 
 
-def build_step(args: argparse.Namespace, pe: str):
-    """(model, step function) for one encoding: same seed, batch and corruption for both."""
+def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
+    """(info, step function) for one encoding: same seed, batch and corruption for both. With
+    ``lora_spec`` the backbone is frozen and LoRA adapters injected (mdlmpe_ds/lora.py); the
+    optimizer is ``step.optimizer``."""
     import torch
 
     from mdlmpe_ds.attention import AttentionImpl
@@ -57,7 +67,13 @@ def build_step(args: argparse.Namespace, pe: str):
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = DiffusionLM(config, device=device, impl=impl).to(dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if lora_spec is not None:
+        from mdlmpe_ds import lora
+
+        lora.inject(model, lora_spec)
+        lora.reset_adapters(model, seed=0)
+        model.to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, args.vocab - 1, (args.batch, args.seq_len), generator=gen).to(device)  # [B, L]
     prompt = args.seq_len // 4
@@ -77,8 +93,41 @@ def build_step(args: argparse.Namespace, pe: str):
 
     for i in range(2):
         step(i)  # warm-up (also allocates the optimizer state; compiles with --compile)
-    info = {"device": device.type, "params": sum(p.numel() for p in model.parameters())}
+    info = {
+        "device": device.type,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    step.optimizer = opt
+    step.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return info, step
+
+
+def lora_worker(args: argparse.Namespace) -> dict:
+    """Full fine-tune and LoRA of the same MDLMPE model: AdamW state bytes (after the warm-ups),
+    gradient bytes and median step time of each."""
+    from mdlmpe_ds import lora
+
+    spec = lora.parse(args.lora)
+    result = {"spec": spec.text()}
+    for name in ("full", "lora"):
+        info, step = build_step(args, "mdlmpe", spec if name == "lora" else None)
+        state = step.optimizer.state.values()
+        optim_bytes = sum(
+            t.numel() * t.element_size() for s in state for t in s.values() if hasattr(t, "numel")
+        )
+        times = []
+        for i in range(args.steps):
+            start = time.perf_counter()
+            step(2 + i)
+            times.append(time.perf_counter() - start)
+        result[name] = {
+            **info,
+            "optimizer_state_bytes": optim_bytes,
+            "grad_bytes": step.grad_bytes,
+            "step_s": statistics.median(times),
+        }
+    return result
 
 
 def time_worker(args: argparse.Namespace) -> dict:
@@ -140,7 +189,37 @@ def main() -> int:
         "--pe", default=None, help=argparse.SUPPRESS
     )  # internal: worker mode (rope | mdlmpe | both)
     parser.add_argument("--measure", default="time", help=argparse.SUPPRESS)  # internal: time | memory
+    parser.add_argument(
+        "--lora",
+        nargs="?",
+        const="r=16,alpha=32,dropout=0.05",
+        default=None,
+        metavar="SPEC",
+        help="compare LoRA (this --lora spec) with the full fine-tune: optimizer memory, grads, time",
+    )
     args = parser.parse_args()
+    if args.lora is not None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        r = lora_worker(args)
+        full, low = r["full"], r["lora"]
+        for name in ("full", "lora"):
+            x = r[name]
+            print(
+                f"{name:5s} trainable {x['trainable']:>10,} of {x['params']:,}  AdamW state "
+                f"{x['optimizer_state_bytes'] / 2**20:9.2f} MiB  grads {x['grad_bytes'] / 2**20:8.2f} MiB  "
+                f"step {x['step_s'] * 1e3:8.1f} ms"
+            )
+        ratios = {
+            "optimizer_memory_ratio": low["optimizer_state_bytes"] / full["optimizer_state_bytes"],
+            "grad_memory_ratio": low["grad_bytes"] / full["grad_bytes"],
+            "time_ratio": low["step_s"] / full["step_s"],
+        }
+        print(
+            f"LoRA ({r['spec']}) / full: optimizer memory x{ratios['optimizer_memory_ratio']:.3f}, "
+            f"gradients x{ratios['grad_memory_ratio']:.3f}, step time x{ratios['time_ratio']:.2f}"
+        )
+        print(json.dumps({**ratios, **r}))
+        return 0
     if args.measure == "time" and args.pe == "both":
         print(json.dumps(time_worker(args)))
         return 0

@@ -9,6 +9,14 @@ MODEL is an exported directory (config.json + safetensors + tokenizer) or a trai
 in this process). Corpora are named offline corpora, local text files or hub datasets
 (mdlmpe_ds/data/corpora.py). The masks depend only on (--seed, window index, sample), so models
 with the same tokenizer are scored on the same tokens and masks. Writes <out>.md and <out>.json.
+
+``--corruption iid semi_ar spans`` scores under structured mask layouts instead
+(diffusion/layouts.py): the NLL per layout at matched noise levels, and every further model's
+paired difference to the first one with its standard error over windows
+(evaluation/layout_eval.py)::
+
+    python launch/evaluate.py runs/rope-seed0 runs/mdlmpe-seed0 --names rope mdlmpe \
+        --corpora shakespeare-heldout --corruption iid semi_ar spans --num_samples 8
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.data.corpora import EVAL_CORPORA
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
+    from mdlmpe_ds.diffusion.layouts import LAYOUTS
     from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
     from mdlmpe_ds.evaluation.perplexity import EvalSettings, markdown_table, score_corpus, write_results
 
@@ -39,12 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="outputs/eval/perplexity", help="output prefix (.md / .json)")
+    parser.add_argument(
+        "--corruption", nargs="+", default=None, choices=LAYOUTS, help="score by mask layout (paired)"
+    )
     args = parser.parse_args(argv)
     if args.names and len(args.names) != len(args.models):
         parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.corruption:
+        return evaluate_layouts(args, device)
     scores, settings = [], None
     for i, path in enumerate(args.models):
         model, tok_dir = load_model(path, device=device, dtype=args.dtype)
@@ -70,6 +84,63 @@ def main(argv: list[str] | None = None) -> int:
             scores.append(score)
     md, js = write_results(scores, settings, args.out)
     print("\n" + markdown_table(scores) + f"\n\nwritten: {md}, {js}")
+    return 0
+
+
+def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
+    """Paired scoring by corruption layout (module doc); writes <out>.md and <out>.json."""
+    import json
+    from dataclasses import asdict
+
+    from mdlmpe_ds.evaluation.layout_eval import (
+        LayoutEvalSettings,
+        corpus_batches,
+        layout_markdown,
+        score_layouts,
+        summarise,
+    )
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+
+    models = []
+    for i, path in enumerate(args.models):
+        model, tok_dir = load_model(path, device=device, dtype=args.dtype)
+        if tok_dir is None:
+            raise SystemExit(f"{path}: no tokenizer recorded with this model")
+        models.append(
+            (args.names[i] if args.names else Path(path).resolve().name, model, load_tokenizer(tok_dir))
+        )
+    settings = LayoutEvalSettings(
+        seq_len=args.seq_len or models[0][1].config.max_seq_len,
+        windows=args.max_sequences,
+        draws=args.num_samples,
+        seed=args.seed,
+        t_sampling=args.t_sampling,
+        batch_size=args.batch_size,
+        layouts=tuple(args.corruption),
+    ).validate()
+    sections, tables = [], {}
+    for corpus in args.corpora:
+        scores = {}
+        for name, model, tokenizer in models:
+            batches = corpus_batches(corpus, tokenizer, settings, model.config.family)
+
+            def logits(ids, valid, model=model):
+                return model(ids.to(device), valid=valid.to(device))
+
+            scores[name] = score_layouts(logits, batches, model.config.mask_token_id, settings)
+        tables[corpus] = summarise(scores, settings)
+        sections.append(layout_markdown(tables[corpus], corpus))
+        print(sections[-1] + "\n", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md, js = out.with_suffix(".md"), out.with_suffix(".json")
+    note = (
+        f"{settings.draws} {settings.t_sampling} draws per window and layout (seed {settings.seed}), "
+        f"the first {settings.windows} windows of {settings.seq_len} tokens; the same masks for every model."
+    )
+    md.write_text("\n\n".join(sections) + "\n\n" + note + "\n")
+    js.write_text(json.dumps({"settings": asdict(settings), "tables": tables}, indent=1) + "\n")
+    print(f"written: {md}, {js}")
     return 0
 
 

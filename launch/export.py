@@ -10,6 +10,13 @@ plus the MDLMPE keys (models/hf_io.save_pretrained); the run's tokenizer files a
 chat template training used, and the self-contained modeling file with `auto_map`
 (mdlmpe_ds/hub/export.py). `mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back, and so does
 `transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)`.
+
+A LoRA checkpoint (`--lora`, mdlmpe_ds/lora.py) holds the adapters and the MDLMPE weights; the frozen
+base is read from the run's `model_name_or_path` (or, for a from-scratch preset, the run's
+`lora_base.safetensors`). `--merge` (the default) writes W + (alpha / r) B A into the one
+consolidated model above, the same format as a full fine-tune; `--adapter-only` writes a
+peft-loadable adapter directory (adapter_config.json + adapter_model.safetensors) plus the trained
+MDLMPE weights (mdlmpe.safetensors) and the run's tokenizer files.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ def export(
     dtype: str = "fp32",
     max_shard_gb: float = 5.0,
     push_to_hub: str | None = None,
+    adapter_only: bool = False,
 ) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine
+    from mdlmpe_ds import engine, lora
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.models.config import ModelConfig
@@ -43,6 +51,17 @@ def export(
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     config.gradient_checkpointing = False
     state = engine.fp32_state_dict_from_checkpoint(step_dir)
+    spec = lora.spec_of(saved.run_config)
+    if spec is None and adapter_only:
+        raise ValueError(f"{step_dir} is a full fine-tune checkpoint: --adapter-only needs a LoRA run")
+    if spec is not None:
+        _, adapters, mdlmpe = lora.split_state(state)
+        if adapter_only:
+            out = _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, DTYPES[dtype])
+            if push_to_hub:
+                print(f"uploaded {out} -> {upload(out, push_to_hub)}")
+            return out
+        state = lora.merged_state(step_dir, saved.run_config, state)
     # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
     with torch.device("meta"):
         reference = dict(DiffusionLM(config).state_dict())
@@ -66,6 +85,32 @@ def export(
     return out
 
 
+def _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, dtype: torch.dtype) -> Path:
+    """--adapter-only: the peft adapter directory + MDLMPE weights + the run's tokenizer files."""
+    import shutil
+
+    from mdlmpe_ds import lora
+    from mdlmpe_ds.hub.export import TOKENIZER_FILES
+
+    base = saved.run_config["model"].get("model_name_or_path") or str(
+        lora.find_base_file(step_dir, saved.run_config)
+    )
+    out = Path(out)
+    files = lora.write_adapter_dir(out, adapters, mdlmpe, spec, base, dtype)
+    tokenizer = _tokenizer_dir(saved.tokenizer)
+    copied = []
+    for name in TOKENIZER_FILES if tokenizer else ():
+        if (Path(tokenizer) / name).is_file():
+            shutil.copy2(Path(tokenizer) / name, out / name)
+            copied.append(name)
+    print(
+        f"exported the LoRA adapter of {step_dir} (update {saved.step}) -> {out}: "
+        f"{', '.join(f.name for f in files)} ({len(adapters)} adapted projections, --lora {spec.text()}); "
+        f"base model: {base}; tokenizer files: {copied or 'none'}"
+    )
+    return out
+
+
 def _tokenizer_dir(tokenizer: str | None) -> str | None:
     """The run's tokenizer as a local directory (a hub id is read from the local cache)."""
     if not tokenizer or Path(tokenizer).is_dir():
@@ -81,11 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max_shard_gb", type=float, default=5.0)
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA checkpoints: merge the adapters into one consolidated model (the default)",
+    )
+    kind.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA checkpoints: a peft adapter directory plus the MDLMPE weights, no merged model",
+    )
     parser.add_argument(
         "--push_to_hub", metavar="REPO", default=None, help="upload the export to this hub repo"
     )
     args = parser.parse_args(argv)
-    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub)
+    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only)
     return 0
 
 

@@ -58,6 +58,10 @@ class ModelChoice:
     # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
     # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
     recompute_mdlmpe_attention: bool = False
+    # LoRA SFT (mdlmpe_ds/lora.py), e.g. "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down"
+    # (a config file may give the mapping {r, alpha, dropout, targets}): the backbone frozen, LoRA
+    # adapters on the target projections, the MDLMPE parameters trained in full. None: full fine-tune.
+    lora: str | None = None
 
 
 @dataclass
@@ -106,6 +110,12 @@ class DataConfig:
     validation: str | None = None
     # SentencePiece BPE size when no `tokenizer` is given: one is trained on the corpus and cached.
     tokenizer_vocab: int = 4096
+    # Where corpora are tokenised into token stores (data/token_store.py); None = <output_dir>/data_cache.
+    # Runs sharing one (the encodings of a comparison) tokenise OpenWebText once.
+    store_dir: str | None = None
+    # Processes tokenising a store's build on each node's first rank (same ids as one process);
+    # None: the node's CPUs (up to 32) for the named hub corpora (openwebtext...), else 1.
+    build_workers: int | None = None
 
 
 @dataclass
@@ -159,6 +169,8 @@ class TrainConfig:
     dream_weighting: str = "cart"
     cart_p: float = 0.1
     noise_eps: float = 1e-3
+    # Pretraining corruption layout (diffusion/layouts.py): "iid" (LLaDA's), "semi_ar", "spans", "mix".
+    corruption: str = "iid"
     # Block-diffusion SFT (paper §3.4, §4.4): one active response block per example, earlier blocks
     # clean, later blocks masked ("full") or hidden from attention and availability ("blocked").
     # None trains on the whole response at once.
@@ -214,6 +226,10 @@ class RunConfig:
             self.attention.validate()
         except ValueError as err:
             raise ValueError(f"training config: {err}") from err
+        if m.lora is not None:
+            from mdlmpe_ds.lora import parse
+
+            m.lora = parse(m.lora, "model.lora").text()
         if d.max_len < 8:
             raise bad("data.max_len", d.max_len, "must be >= 8")
         if d.multiturn not in MULTITURN:
@@ -276,6 +292,8 @@ class RunConfig:
             raise bad("train.block_size", t.block_size, "must be >= 1 or null")
         if t.block_context not in ("full", "blocked"):
             raise bad("train.block_context", t.block_context, "must be one of ('full', 'blocked')")
+        if t.corruption not in ("iid", "semi_ar", "spans", "mix"):  # diffusion/layouts.py LAYOUTS
+            raise bad("train.corruption", t.corruption, "must be one of ('iid', 'semi_ar', 'spans', 'mix')")
         if t.max_consecutive_nonfinite < 1:
             raise bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
         if t.precision not in PRECISIONS:
@@ -431,6 +449,11 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -
     for key, value in overrides.items():
         section, name = resolve_key(key, source)
         target = getattr(config, section)
+        if section == "model" and name == "lora" and isinstance(value, dict):  # a config-file section
+            from mdlmpe_ds.lora import from_mapping
+
+            target.lora = from_mapping(value, f"{source}: model.lora").text()
+            continue
         if section == "model" and name.startswith("mdlmpe"):
             changes = {name.removeprefix("mdlmpe."): value} if "." in name else None
             if changes is None:
@@ -538,6 +561,8 @@ _KEY_HELP = {
     "data.skip_malformed": "count and skip malformed rows instead of failing on the first",
     "data.multiturn": "multi-turn rows: 'last' answer, 'expand' to every turn, 'sample' one turn (LLaDA)",
     "data.text_column": "column holding the text of a .jsonl/.parquet or hub corpus",
+    "data.build_workers": "processes tokenising a token store (None: the CPUs for named hub corpora, else 1)",
+    "data.store_dir": "folder of the pretraining token stores (share it across runs); None: <run>/data_cache",
     "data.max_documents": "keep only the first N documents of the corpus",
     "optim.betas": "AdamW (beta1, beta2), e.g. '[0.9, 0.95]'",
     "optim.eps": "AdamW epsilon",

@@ -236,6 +236,59 @@ def build_model(
     return model
 
 
+def add_lora(
+    model: torch.nn.Module, spec, ds_config: dict[str, Any], seed: int, *, meta: bool = False
+) -> None:
+    """Wrap the target projections of a built model with LoRA adapters (mdlmpe_ds/lora.py) and
+    freeze the backbone; collective under ZeRO-3.
+
+    Called after the base weights are in place (the pretrained directory is streamed in under the
+    plain module names). The adapters are created inside ``zero.Init`` with the model's dtype, so
+    they are partitioned like every other parameter, then set to rank 0's deterministic draw
+    (A kaiming-uniform keyed by ``seed`` and the module name, B = 0: the run starts at the base).
+    """
+    from mdlmpe_ds import lora
+
+    if meta:
+        with torch.device("meta"):
+            lora.inject(model, spec)
+        return
+    lora.import_peft()  # before zero.Init: importing peft inside it fails
+    deepspeed = _deepspeed()
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        lora.inject(model, spec)
+    check_param_dtypes(model, param_dtype(ds_config))
+    lora.reset_adapters(model, seed, deepspeed.zero.GatheredParameters, rank() == 0)
+
+
+def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` (plain parameter names) into the partitioned model, one parameter at a time
+    (every rank passes the same values; rank 0's are kept); a missing or unexpected name is an error."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise KeyError(f"no parameters named {unknown[:5]} in the model")
+    deepspeed = _deepspeed()
+    with torch.no_grad():
+        for name, value in tensors.items():
+            param = params[name]
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.copy_(value.to(param.dtype))
+
+
+def gathered_tensors(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """Full copies of the named parameters on rank 0 (None on the others), one gathered at a time;
+    collective."""
+    deepspeed = _deepspeed()
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
+    for name in names:
+        with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=None):
+            if out is not None:
+                out[name] = params[name].detach().clone().cpu()
+    return out
+
+
 def check_param_dtypes(model: torch.nn.Module, expected: torch.dtype) -> None:
     """Fail loudly if any parameter was created in another dtype than the resolved precision
     (a DeepSpeed change, or an accelerator quirk, must never turn an fp32 run into bf16 silently)."""

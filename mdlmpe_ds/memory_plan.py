@@ -226,12 +226,16 @@ def plan_memory(
     scored_fraction: float = 1.0,
     head_chunk: int | None = None,
     impl: AttentionImpl | None = None,
+    trainable_params: int | None = None,
+    extra_params: int = 0,
 ) -> MemoryPlan:
     """The plan for ``cfg`` under ``ds_config`` (after ``engine.prepare_ds_config``: bf16 or fp32,
     offload sections, buckets) on ``world`` GPUs, ``micro_batch`` sequences of ``length`` tokens.
     ``scored_fraction``: share of tokens in the loss (masked); 1.0 is the worst case.
     ``head_chunk``: rows per LM-head chunk (default: what training uses, ``configured_chunk()``).
-    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``)."""
+    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``).
+    LoRA (mdlmpe_ds/lora.py): ``extra_params`` adapter elements are added to the parameters, and
+    gradients and optimizer states are those of ``trainable_params`` only (default: all)."""
     head_chunk = head_chunk or configured_chunk()
     impl = _backend_on(impl or AttentionImpl(), "cuda")  # a plan per GPU
     if world < 1 or micro_batch < 1 or length < 1:
@@ -241,26 +245,34 @@ def plan_memory(
     zero = ds_config.get("zero_optimization", {})
     p = 2 if ds_config.get("bf16", {}).get("enabled") else FP32
     total, largest = _parameter_counts(cfg)
+    total += extra_params
     shard = total / world
+    trainable = total if trainable_params is None else trainable_params
+    trained_shard = trainable / world
     off_param = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
     off_optim = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     plan = MemoryPlan(world, micro_batch, length)
     dtype = "bf16" if p == 2 else "fp32"
     master = FP32 if p != FP32 else 0  # fp32 runs update the parameters themselves
-    optim_bytes = shard * (master + 2 * FP32)
+    optim_bytes = trained_shard * (master + 2 * FP32)
     if off_param:
         plan.cpu_items.append(("parameters", shard * p, f"{dtype} shard ({total:,} / {world})"))
     else:
         plan.items.append(("parameters (ZeRO-3 shard)", shard * p, f"{dtype}, {total:,} / {world}"))
     if off_optim:
-        plan.cpu_items.append(("optimizer + grads", optim_bytes + shard * p, "fp32 master, Adam m, v; grads"))
+        plan.cpu_items.append(
+            ("optimizer + grads", optim_bytes + trained_shard * p, "fp32 master, Adam m, v; grads")
+        )
     else:
-        plan.items.append(("gradients (ZeRO-3 shard)", shard * p, dtype))
+        trained = "" if trainable == total else f", {trainable:,} trainable"
+        plan.items.append(("gradients (ZeRO-3 shard)", trained_shard * p, dtype + trained))
         plan.items.append(
             (
                 "optimizer states (ZeRO-3 shard)",
                 optim_bytes,
-                ("fp32 master + " if master else "") + "Adam m, v fp32",
+                ("fp32 master + " if master else "")
+                + "Adam m, v fp32"
+                + ("" if trainable == total else f" of {trainable:,} trainable"),
             )
         )
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
@@ -269,8 +281,10 @@ def plan_memory(
     plan.items.append(
         (
             "gathered parameters",
-            min(live, largest + prefetch) * p + largest * p,
-            f"largest module {largest:,} + prefetch {prefetch:,.0f}, and its full gradient",
+            # LoRA: the largest module (embedding table / LM head) is frozen, so it has no gradient
+            min(live, largest + prefetch) * p + (largest * p if trainable == total else 0),
+            f"largest module {largest:,} + prefetch {prefetch:,.0f}"
+            + (", and its full gradient" if trainable == total else " (frozen: no gradient)"),
         )
     )
     plan.items.append(("gradient reduce bucket", reduce * p, f"reduce_bucket_size {reduce:,.0f}"))

@@ -149,24 +149,29 @@ def resolve_tokenizer_dir(run: RunConfig) -> Path:
 
 # ------------------------------------------------------------------------------------ trainer
 def pretrain_corruption(
-    batch: dict, seed: int, eps: float, mask_id: int, family: str
+    batch: dict, seed: int, eps: float, mask_id: int, family: str, layout: str = "iid"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaDA's forward process on a packed batch: (noisy ids [B, L], masked [B, L] bool, p [B] fp32).
+    """The forward process on a packed batch: (noisy ids [B, L], scored [B, L] bool, p [B] fp32).
 
     ``batch`` holds ``input_ids`` [B, L], ``valid`` [B, L], ``index`` [B] (window indices) and
     ``epoch``. Window i in epoch e is masked by the draws of (seed, i, sample=e) alone: the same
-    masks for every model compared, a fresh draw every epoch. CPU tensors.
+    masks for every model compared, a fresh draw every epoch. ``layout`` (``train.corruption``,
+    ``diffusion/layouts.py``): ``iid`` is LLaDA's process; ``semi_ar`` / ``spans`` / ``mix`` mask
+    structured layouts. LLaDA's loss divides by B L, so its ``p`` is scaled by the row's scope
+    fraction (1 for iid, bit for bit): every row then weighs as a per-token estimate of its scope
+    (so ``train/nll_by_t`` bins a semi_ar row by that scaled p; per-layout NLLs at the true t come
+    from ``launch/evaluate.py --corruption``). CPU tensors.
     """
-    from mdlmpe_ds.data.pretrain import corruption_draws
-    from mdlmpe_ds.diffusion.elbo import noise_level
+    from mdlmpe_ds.diffusion.layouts import corrupt_layout
 
     ids = batch["input_ids"]
-    scored = scored_positions(batch["valid"], family)
-    t_draw, u = corruption_draws(seed, batch["index"], ids.shape[1], sample=int(batch["epoch"]))
-    p = noise_level(t_draw, eps)  # [B] float64
-    masked = (u < p[:, None]) & scored  # [B, L]
-    noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    return noisy, masked, p.float()
+    scorable = scored_positions(batch["valid"], family)
+    draw = corrupt_layout(layout, seed, batch["index"], scorable, int(batch["epoch"]), eps=eps)
+    noisy = torch.where(draw.masked, torch.full_like(ids, mask_id), ids)
+    p = draw.p  # [B] float64
+    if family == "llada":
+        p = p * (draw.scope.sum(1).double() / scorable.sum(1).clamp(min=1).double())
+    return noisy, draw.scored, p.float()
 
 
 class PretrainTrainer(SFTTrainer):
@@ -193,8 +198,9 @@ class PretrainTrainer(SFTTrainer):
     def corruption(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self.run.train
         return pretrain_corruption(
-            batch, t.seed, t.noise_eps, self.model_config.mask_token_id, self.model_config.family
-        )
+            batch, t.seed, t.noise_eps, self.model_config.mask_token_id, self.model_config.family,
+            t.corruption,
+        )  # fmt: skip
 
     def _micro(self, batch: dict, nan: bool) -> tuple[torch.Tensor, dict[str, Any]]:
         noisy, masked, p = self.corruption(batch)
@@ -259,6 +265,11 @@ class PretrainTrainer(SFTTrainer):
 
 
 # ------------------------------------------------------------------------------------ building a run
+def store_dir(run: RunConfig) -> Path:
+    """Where the token stores of this run's corpora live (data.store_dir, else the run's folder)."""
+    return Path(run.data.store_dir) if run.data.store_dir else Path(run.train.output_dir) / "data_cache"
+
+
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
     """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
     with the positions a ``family`` model is scored on (``maskable``)."""
@@ -270,7 +281,7 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
         return None
     packed = load_packed_corpus(
         d.validation, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-        cache_dir=Path(t.output_dir) / "data_cache",
+        cache_dir=store_dir(run), role="eval", workers=d.build_workers,
     )  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"validation corpus {d.validation!r} is shorter than one {d.max_len}-token window")
@@ -306,7 +317,8 @@ def run_pretrain(
     def pack():
         return load_packed_corpus(
             d.dataset, tokenizer, d.max_len, split=d.text_split, text_column=d.text_column,
-            max_documents=d.max_documents, cache_dir=Path(t.output_dir) / "data_cache",
+            max_documents=d.max_documents, cache_dir=store_dir(run), role="train",
+            workers=d.build_workers,
         )  # fmt: skip
 
     dataset = rank_zero_first(pack)
@@ -324,7 +336,7 @@ def run_pretrain(
         [d.max_len] * len(dataset), t.micro_batch_size, rank=rank, world_size=world, seed=t.seed
     )
     total = total_updates_for(run, len(sampler))
-    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
+    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
     if engine is None:
         return built
     trainer = PretrainTrainer(

@@ -49,8 +49,8 @@ _SFT_COMMON: dict[str, tuple[Any, str]] = {
 }
 
 _PRETRAIN_100M: dict[str, tuple[Any, str]] = {
-    "data.dataset": ("Skylion007/openwebtext", B3 + " (OWT)"),
-    "data.validation": ("ptb", "paper Table 2 (PTB zero-shot)"),
+    "data.dataset": ("openwebtext", B3 + " (OWT; data/named_corpora.py holds out its first 100K documents)"),
+    "data.validation": ("openwebtext", "paper Table 2 (OWT pretraining-validation: the held-out slice)"),
     "data.max_len": (1024, B3),
     "optim.lr": (1e-4, B3),
     "optim.betas": ((0.9, 0.999), B3),

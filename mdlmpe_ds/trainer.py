@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import collectives, lifecycle
+from mdlmpe_ds import collectives, lifecycle, lora
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
@@ -400,9 +400,15 @@ class SFTTrainer:
         with torch.no_grad():
             logits = self.engine(batch["input_ids"].to(self.device), valid=batch["valid"].to(self.device))
         self.engine.train()
+        state = eng.consolidated_state_dict(self.engine)  # collective; the trained weights (LoRA tests)
         if self.rank == 0:
             torch.save(
-                {"input_ids": batch["input_ids"], "valid": batch["valid"], "logits": logits.float().cpu()},
+                {
+                    "input_ids": batch["input_ids"],
+                    "valid": batch["valid"],
+                    "logits": logits.float().cpu(),
+                    "state": state,
+                },
                 path,
             )
 
@@ -419,7 +425,10 @@ class SFTTrainer:
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
         eng.barrier()
-        self.engine.save_checkpoint(str(staging), tag=ckpt.DS_TAG, save_latest=False)
+        # LoRA: the frozen base is not written again (lora.checkpoint_save_kwargs)
+        self.engine.save_checkpoint(
+            str(staging), tag=ckpt.DS_TAG, save_latest=False, **lora.checkpoint_save_kwargs(self.run)
+        )
         self.state.sampler = self.sampler.state_dict()
         ckpt.write_trainer_state(
             staging,
@@ -436,6 +445,7 @@ class SFTTrainer:
                 self.tokenizer_dir,
                 self.data_fingerprint,
             )
+            lora.write_checkpoint_meta_of(staging, self.run, self.engine.module)  # LoRA runs only
         eng.barrier()  # every rank's files are written (no .tmp left) before anyone flushes
         ckpt.fsync_tree(staging)
         eng.barrier()
@@ -458,7 +468,8 @@ class SFTTrainer:
         # Another world size reads DeepSpeed's universal copy (run_sft has switched the engine's
         # "checkpoint.load_universal" on and checked that the copy exists).
         tag = ckpt.DS_TAG if saved.world_size == self.world else ckpt.DS_UNIVERSAL_TAG
-        loaded, _ = self.engine.load_checkpoint(str(path), tag=tag)
+        lora.check_resume(path, self.run, self.engine.module)  # adapter + MDLMPE keys all there
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=tag, **lora.checkpoint_load_kwargs(self.run))
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}/{tag}")
         same_world = saved.world_size == self.world
@@ -681,7 +692,15 @@ def prepare_resume(
     return resume_from
 
 
-def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_examples: int, dry_run: bool):
+def build_engine(
+    run: RunConfig,
+    model_config,
+    ds_config: dict,
+    total: int,
+    n_examples: int,
+    dry_run: bool,
+    resume_from: Path | None = None,
+):
     """The model under ZeRO-3 (weights created partitioned, MDLMPE initialised, a pretrained
     directory streamed in) and its DeepSpeed engine; logs the plan. Returns (engine, result) where a
     dry run builds on the meta device only and returns (None, {plan, total_updates, params})."""
@@ -698,16 +717,13 @@ def build_engine(run: RunConfig, model_config, ds_config: dict, total: int, n_ex
     params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
     params["total"] = params["backbone"] + params["mdlmpe"]
     plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    plan += lora.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
     from mdlmpe_ds.memory_plan import plan_memory
 
     memory = plan_memory(
-        model_config,
-        ds_config,
-        eng.world_size(),
-        run.train.micro_batch_size,
-        run.data.max_len,
-        impl=run.attention,
-    )
+        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
+        impl=run.attention, **lora.memory_plan_kwargs(params),
+    )  # fmt: skip
     plan += "\n" + memory.format()
     if dry_run:
         _log("dry run (meta device, nothing allocated):\n" + plan)
@@ -777,7 +793,9 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             split=run.data.split,
             skip_malformed=run.data.skip_malformed,
             multiturn=run.data.multiturn,
-            cache_dir=Path(t.output_dir) / "data_cache",  # keyed by source, tokenizer and settings
+            # keyed by source (its datasets fingerprint), tokenizer, template and settings; built by
+            # each node's first rank, loaded by the others; data.store_dir shares it across runs
+            cache_dir=Path(run.data.store_dir or Path(t.output_dir) / "data_cache"),
             seed=run.train.seed,  # the turn drawn by multiturn="sample"
         )
     )
@@ -805,7 +823,7 @@ def run_sft(run: RunConfig, ds_config_path: str, resume: str | None = None, dry_
             "warning: attention.compile with batches as wide as their longest row: every new width "
             "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
         )
-    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run)
+    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
     if engine is None:
         return built
     trainer = SFTTrainer(

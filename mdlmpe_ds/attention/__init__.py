@@ -62,7 +62,7 @@ def resolve_backend(name: str) -> AttentionFn:
 
         return blocked_attention
     if name == "triton":
-        from mdlmpe_ds.attention.triton_backend import check_triton_available, triton_attention
+        from mdlmpe_ds.attention.triton.backend import check_triton_available, triton_attention
 
         check_triton_available()
         return triton_attention

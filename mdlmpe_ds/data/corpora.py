@@ -11,26 +11,33 @@ A corpus spec is one of:
 * local UTF-8 ``.txt`` files: one path, a comma-separated list, or a directory (its ``*.txt``,
   sorted);
 * a local ``.json`` / ``.jsonl`` / ``.parquet`` file with one document per row in ``text_column``;
+* a **named hub corpus** of the paper (``openwebtext``, ``wikitext-2``, ``wikitext-103``, ``lm1b``,
+  ``text8``; data/named_corpora.py), its split chosen by the role (training or evaluation) or
+  named as ``name@split``, detokenized as is customary for zero-shot evaluation;
 * otherwise a ``datasets`` hub name (``Skylion007/openwebtext``), one document per row.
 
 Each named corpus carries the document convention of its source (``split``): PTB and the news
 excerpt have one document per line (PTB sentences get a separator each, like the ``<eos>`` of the
 usual PTB setup); the works of Shakespeare and the Wikipedia excerpt are read as running text.
+PTB (the real Mikolov splits) gets the PTB detokenizer of data/named_corpora.py.
+
+With a ``cache_dir`` the corpus is tokenised once into a token store (data/token_store.py) that
+every rank maps read-only; memory per rank does not grow with the corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import os
-import socket
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset
+from mdlmpe_ds.data import named_corpora as named
+from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
 
 
 @dataclass(frozen=True)
@@ -39,14 +46,15 @@ class NamedCorpus:
     split: str  # the assets' file split
     documents: str  # file | paragraph | line
     description: str
+    detokenizer: str | None = None  # data/named_corpora.py DETOKENIZERS
 
 
 NAMED_CORPORA: dict[str, NamedCorpus] = {
     "shakespeare": NamedCorpus("shakespeare", "train", "file", "Shakespeare, training works"),
     "shakespeare-heldout": NamedCorpus("shakespeare", "valid", "file", "Shakespeare, held-out works"),
-    "ptb": NamedCorpus("ptb", "test", "line", "Penn Treebank, test split"),
-    "ptb-valid": NamedCorpus("ptb", "valid", "line", "Penn Treebank, validation split"),
-    "ptb-train": NamedCorpus("ptb", "train", "line", "Penn Treebank, training split"),
+    "ptb": NamedCorpus("ptb", "test", "line", "Penn Treebank, test split", "ptb"),
+    "ptb-valid": NamedCorpus("ptb", "valid", "line", "Penn Treebank, validation split", "ptb"),
+    "ptb-train": NamedCorpus("ptb", "train", "line", "Penn Treebank, training split", "ptb"),
     "enwiki-excerpt": NamedCorpus("enwiki_excerpt", "test", "file", "enwiki-2014 excerpt, test articles"),
     "enwiki-excerpt-valid": NamedCorpus("enwiki_excerpt", "valid", "file", "enwiki-2014 excerpt, valid"),
     "enwiki-excerpt-train": NamedCorpus("enwiki_excerpt", "train", "file", "enwiki-2014 excerpt, train"),
@@ -114,44 +122,145 @@ def load_packed_corpus(
     max_documents: int | None = None,
     separator_id: int | None = None,
     cache_dir: str | Path | None = None,
+    role: str = "eval",
+    streaming: bool | None = None,
+    workers: int | None = None,
 ) -> PackedTokenDataset:
     """Tokenise and pack the corpus ``spec`` (module doc) into ``seq_len`` windows.
 
     ``split`` overrides the document convention of .txt files (``file|paragraph|line``).
-    ``cache_dir``: the token stream is saved there under a key of what it depends on (the files'
-    paths, sizes and mtimes or the hub name, the tokenizer, the options; not ``seq_len``, which only
-    cuts the stream) and loaded instead of tokenised again. Atomic writes: ranks and nodes may share
-    the folder.
+    ``role``: ``train`` or ``eval``, which split a named hub corpus means (data/named_corpora.py).
+    ``streaming`` overrides a named hub corpus's own choice (the result is the same).
+    ``workers``: processes tokenising a store's build (data/parallel_tokenize.py; same ids); None:
+    this machine's CPUs (up to 32) for a named hub corpus, else 1.
+
+    ``cache_dir``: the corpus is tokenised once into a token store there (data/token_store.py),
+    under a key of what it depends on (the files' paths, sizes and mtimes or the hub name and
+    slice, the tokenizer, the options; not ``seq_len``, which only cuts the stream), and the windows
+    are read from the store's file. Without it the stream is built in memory (small evaluation
+    corpora).
     """
     if split is not None and split not in SPLIT_MODES:
         raise ValueError(f"text split {split!r}; expected one of {SPLIT_MODES}")
+    texts, source = corpus_documents(
+        spec, split=split, text_column=text_column, max_documents=max_documents, role=role,
+        streaming=streaming,
+    )  # fmt: skip
+    sep = separator_for(tokenizer, separator_id)
     if cache_dir is None:
-        return _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id)
-    sep = tokenizer.eos_token_id if separator_id is None else separator_id
-    options = {"split": split, "text_column": text_column, "max_documents": max_documents, "separator": sep}
-    path = Path(cache_dir) / f"packed-{_cache_key(spec, tokenizer, options)}.npz"
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as z:
-            return PackedTokenDataset(z["stream"], z["doc_ends"], seq_len, int(z["separator_id"]))
-    packed = _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.savez(fh, stream=packed.stream, doc_ends=packed.doc_ends, separator_id=packed.separator_id)
-    os.replace(tmp, path)
-    return packed
+        return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
+    from mdlmpe_ds.data.fingerprint import store_fingerprints
+    from mdlmpe_ds.data.parallel_tokenize import default_workers, parallel_token_documents
+    from mdlmpe_ds.data.token_store import open_or_build
+
+    if workers is None:
+        workers = default_workers() if named.is_hub_corpus(spec) else 1
+
+    options = {"text_column": text_column, "max_documents": max_documents, "separator": sep}
+    path = Path(cache_dir) / f"store-{_cache_key(source, tokenizer, options)}"
+    store = open_or_build(
+        path, lambda: parallel_token_documents(texts(), tokenizer, workers), separator_id=sep,
+        vocab_size=max(_vocab_size(tokenizer), sep + 1),
+        manifest={"source": source, "options": options, "tokenizer": _tokenizer_name(tokenizer)},
+        fingerprint=store_fingerprints(tokenizer), log=_log,
+    )  # fmt: skip
+    return PackedTokenDataset.from_store(store, seq_len)
 
 
-def _cache_key(spec: str, tokenizer, options: dict[str, Any]) -> str:
-    """sha256 over the corpus's identity, the tokenizer's vocabulary (with merges) and ``options``.
-    A hub corpus is identified by its name only (clear the cache to pick up a new revision)."""
-    files = [named_corpus_file(spec)] if spec in NAMED_CORPORA else _text_files(spec)
-    if files is None and Path(spec).suffix in TABULAR_SUFFIXES and Path(spec).is_file():
-        files = [Path(spec)]
-    if files is None:
-        source: Any = {"hub": spec}
-    else:
-        source = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+def _log(message: str) -> None:
+    print(f"[data] {message}", file=sys.stderr, flush=True)
+
+
+def _vocab_size(tokenizer) -> int:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return len(tokenizer.get_vocab())
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__))
+
+
+def corpus_documents(
+    spec: str,
+    *,
+    split: str | None = None,
+    text_column: str = "text",
+    max_documents: int | None = None,
+    role: str = "eval",
+    streaming: bool | None = None,
+) -> tuple[Callable[[], Iterator[str]], dict[str, Any]]:
+    """``(texts, source)``: a function returning an iterator over the corpus's documents (read
+    anew on every call, in a fixed order) and a JSON-able description of where they come from."""
+    if named.is_hub_corpus(spec):
+        sel = named.select(spec, role)
+        path, local = named.resolve_repo(sel.corpus.repo)
+        source = {**sel.describe(), "path": path if local else None, "max_documents": max_documents}
+        return lambda: named.selection_texts(sel, streaming=streaming, max_documents=max_documents), source
+    if spec in NAMED_CORPORA:
+        corpus = NAMED_CORPORA[spec]
+        file = named_corpus_file(spec)
+        return _file_texts([file], split or corpus.documents, corpus.detokenizer, spec)
+    files = _text_files(spec)
+    if files is not None:
+        return _file_texts(files, split or "file", None, None)
+    path = Path(spec)
+    builder = TABULAR_SUFFIXES.get(path.suffix)
+    if builder is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file {path} does not exist")
+        st = path.stat()
+        source = {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        source["builder"] = builder
+        return lambda: _dataset_texts(builder, None, "train", str(path), text_column, max_documents), source
+    if spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(
+            f"corpus {spec!r}: no such file or directory (named corpora: "
+            f"{', '.join([*NAMED_CORPORA, *named.HUB_CORPORA])})"
+        )
+    from mdlmpe_ds.hub.resolve import split_dataset_name
+
+    name, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
+    source = {"hub": name, "config": config, "split": "train"}
+    return lambda: _dataset_texts(name, config, "train", None, text_column, max_documents), source
+
+
+def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str | None):
+    detok = named.DETOKENIZERS[detokenizer] if detokenizer else None
+
+    def texts() -> Iterator[str]:
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"pretraining text file {f} does not exist")
+            for doc in split_documents(f.read_text(encoding="utf-8"), mode):
+                yield detok(doc) if detok else doc
+
+    source = {
+        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "documents": mode,
+        "detokenizer": detokenizer,
+        "corpus": name,
+    }
+    return texts, source
+
+
+def _dataset_texts(path, config, split, data_files, column, max_documents) -> Iterator[str]:
+    """Rows of a ``datasets`` dataset (hub name or builder + files), one document each."""
+    import datasets
+
+    ds = datasets.load_dataset(path, config, split=split, data_files=data_files)
+    if column not in ds.column_names:
+        raise KeyError(f"dataset {path!r} split {split!r} has no column {column!r} ({ds.column_names})")
+    texts = (row[column] for row in ds)
+    texts = (t for t in texts if t and t.strip())
+    return itertools.islice(texts, max_documents) if max_documents is not None else texts
+
+
+def _cache_key(source: dict[str, Any], tokenizer, options: dict[str, Any]) -> str:
+    """sha256 over the corpus's identity (``corpus_documents``'s source), the tokenizer's
+    vocabulary (with merges) and ``options``. A hub corpus is identified by its name, revision and
+    slice (clear the cache to pick up a new upload of the same revision name)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     h = hashlib.sha256(json.dumps({"source": source, "options": options}, sort_keys=True).encode())
@@ -159,35 +268,44 @@ def _cache_key(spec: str, tokenizer, options: dict[str, Any]) -> str:
     return h.hexdigest()[:24]
 
 
-def _pack(spec, tokenizer, seq_len, split, text_column, max_documents, separator_id) -> PackedTokenDataset:
-    """``load_packed_corpus`` without the cache: find the corpus and tokenise it."""
-    if spec in NAMED_CORPORA:
-        mode = split or NAMED_CORPORA[spec].documents
-        return PackedTokenDataset.from_text_files(
-            [named_corpus_file(spec)], tokenizer, seq_len, split=mode, separator_id=separator_id
-        )
-    files = _text_files(spec)
-    if files is not None:
-        return PackedTokenDataset.from_text_files(
-            files, tokenizer, seq_len, split=split or "file", separator_id=separator_id
-        )
-    path = Path(spec)
-    builder = TABULAR_SUFFIXES.get(path.suffix)
-    if builder is not None:
-        if not path.is_file():
-            raise FileNotFoundError(f"corpus file {path} does not exist")
-        return PackedTokenDataset.from_hub(
-            builder, tokenizer, seq_len, data_files=str(path), text_column=text_column,
-            max_documents=max_documents, separator_id=separator_id,
-        )  # fmt: skip
-    if spec.startswith((".", "/", "~")):
-        raise FileNotFoundError(
-            f"corpus {spec!r}: no such file or directory (named corpora: {', '.join(NAMED_CORPORA)})"
-        )
-    from mdlmpe_ds.hub.resolve import split_dataset_name
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mdlmpe_ds.data.corpora prepare SPEC --tokenizer T --store_dir D``: build the token
+    stores a pretraining run with these settings maps (training and held-out/evaluation roles), ahead
+    of the run, so that its ranks do not wait for the build on the setup barrier."""
+    import argparse
 
-    spec, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
-    return PackedTokenDataset.from_hub(
-        spec, tokenizer, seq_len, text_column=text_column, max_documents=max_documents,
-        separator_id=separator_id, name=config,
-    )  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from mdlmpe_ds.hub.resolve import resolve_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m mdlmpe_ds.data.corpora", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="build the token stores of a corpus")
+    prep.add_argument("spec", help="a corpus as --dataset / --validation take it (e.g. openwebtext)")
+    prep.add_argument(
+        "--tokenizer", required=True, help="tokenizer directory or hub id (the run's data.tokenizer)"
+    )
+    prep.add_argument("--store_dir", required=True, help="the run's data.store_dir")
+    prep.add_argument("--role", choices=("train", "eval", "both"), default="both")
+    prep.add_argument("--workers", type=int, default=None, help="tokenising processes (data.build_workers)")
+    prep.add_argument("--text_split", default=None)
+    prep.add_argument("--text_column", default="text")
+    prep.add_argument("--max_documents", type=int, default=None, help="training role only, as in a run")
+    args = parser.parse_args(argv)
+    path = args.tokenizer if Path(args.tokenizer).exists() else str(resolve_tokenizer(args.tokenizer))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for role in ("train", "eval") if args.role == "both" else (args.role,):
+        ds = load_packed_corpus(
+            args.spec, tokenizer, 1, split=args.text_split, text_column=args.text_column,
+            max_documents=args.max_documents if role == "train" else None, cache_dir=args.store_dir,
+            role=role, workers=args.workers,
+        )  # fmt: skip
+        m = ds.store.manifest
+        print(
+            f"{args.spec} ({role}): {ds.store.path}: {m['num_tokens']:,} tokens, {m['num_documents']:,} docs"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,6 +32,17 @@ class Fingerprint:
         header = f"{arr.dtype.str}{arr.shape}"
         return self._part(label, header.encode() + arr.astype(arr.dtype.newbyteorder("<")).tobytes())
 
+    def int64_chunks(self, label: str, values: np.ndarray, chunk: int = 1 << 24) -> Fingerprint:
+        """``array(label, values.astype(int64))`` for a 1-D integer array (a memory map of uint16 or
+        uint32 ids), hashed chunk by chunk: the same digest without an int64 copy of the corpus."""
+        n = int(values.shape[0])
+        header = f"{np.dtype('<i8').str}{(n,)}".encode()
+        self._hash.update(f"{label}:{len(header) + 8 * n}:".encode())
+        self._hash.update(header)
+        for start in range(0, n, chunk):
+            self._hash.update(np.asarray(values[start : start + chunk], dtype="<i8").tobytes())
+        return self
+
     def tokenizer(self, tokenizer: Any) -> Fingerprint:
         """Vocabulary (token -> id), special tokens and chat template of a `transformers` tokenizer."""
         vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
@@ -53,7 +64,34 @@ def sft_fingerprint(dataset: Any, tokenizer: Any) -> str:
     return fp.array("prompt_lens", dataset.prompt_lens).hexdigest()
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    return Fingerprint().tokenizer(tokenizer).hexdigest()
+
+
 def packed_fingerprint(dataset: Any, tokenizer: Any) -> str:
-    """A ``PackedDataset``: the tokenizer, the token stream and its document boundaries."""
-    fp = Fingerprint().tokenizer(tokenizer)
-    return fp.array("stream", dataset.stream).array("doc_ends", dataset.doc_ends).hexdigest()
+    """A ``PackedTokenDataset``: the tokenizer, the token stream (as int64) and its document ends.
+
+    The same digest whether the stream is in memory (int64) or a token store's uint16/uint32 map,
+    so checkpoints written before the store existed still resume. A store records the digest when
+    it is built (``store_fingerprints``); it is reused when the tokenizer is the store's.
+    """
+    store = getattr(dataset, "store", None)
+    if store is not None and store.manifest.get("tokenizer_fingerprint") == tokenizer_fingerprint(tokenizer):
+        return store.manifest["packed_fingerprint"]
+    return packed_digest(Fingerprint().tokenizer(tokenizer), dataset.stream, dataset.doc_ends)
+
+
+def packed_digest(fp: Fingerprint, stream: np.ndarray, doc_ends: np.ndarray) -> str:
+    return fp.int64_chunks("stream", stream).int64_chunks("doc_ends", doc_ends).hexdigest()
+
+
+def store_fingerprints(tokenizer: Any):
+    """A ``token_store.build_store`` fingerprint hook: the tokenizer's and the packed digest."""
+
+    def hook(tokens: np.ndarray, doc_ends: np.ndarray) -> dict[str, str]:
+        return {
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "packed_fingerprint": packed_digest(Fingerprint().tokenizer(tokenizer), tokens, doc_ends),
+        }
+
+    return hook

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,26 @@ def split_documents(text: str, mode: str) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
+def separator_for(tokenizer, separator_id: int | None = None) -> int:
+    """``separator_id``, else the tokenizer's EOS id (a tokenizer without EOS needs one given)."""
+    sep = tokenizer.eos_token_id if separator_id is None else separator_id
+    if sep is None:
+        raise ValueError("the tokenizer has no eos_token_id; pass separator_id explicitly")
+    return int(sep)
+
+
+def token_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -> Iterator[list[int]]:
+    """Each text's ids (no special tokens), tokenised ``batch_size`` texts at a time."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+            batch = []
+    if batch:
+        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+
+
 class PackedTokenDataset(Dataset):
     """Fixed-length windows over a separator-joined token stream.
 
@@ -55,15 +75,23 @@ class PackedTokenDataset(Dataset):
     tokens ``[i * seq_len, (i + 1) * seq_len)``.
     """
 
-    def __init__(self, stream: np.ndarray, doc_ends: np.ndarray, seq_len: int, separator_id: int):
+    def __init__(self, stream: np.ndarray, doc_ends: np.ndarray, seq_len: int, separator_id: int, store=None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if stream.ndim != 1:
             raise ValueError(f"stream must be 1-D, got shape {stream.shape}")
-        self.stream = stream  # [T] int64, every document followed by separator_id
+        # [T] integer ids (int64 in memory, or a token store's uint16/uint32 memory map), every
+        # document followed by separator_id
+        self.stream = stream
         self.doc_ends = doc_ends  # [num_docs] exclusive end offset of each document's separator
         self.seq_len = seq_len
         self.separator_id = separator_id
+        self.store = store  # the data/token_store.TokenStore mapped, if any
+
+    @classmethod
+    def from_store(cls, store, seq_len: int) -> PackedTokenDataset:
+        """Windows over a token store: a window reads only its own ids from the file."""
+        return cls(store.tokens, store.doc_ends, seq_len, store.separator_id, store=store)
 
     @classmethod
     def from_token_documents(
@@ -98,21 +126,8 @@ class PackedTokenDataset(Dataset):
 
         ``separator_id`` defaults to ``tokenizer.eos_token_id``; a tokenizer without EOS needs one.
         """
-        sep = tokenizer.eos_token_id if separator_id is None else separator_id
-        if sep is None:
-            raise ValueError("the tokenizer has no eos_token_id; pass separator_id explicitly")
-
-        def token_docs() -> Iterable[list[int]]:
-            batch: list[str] = []
-            for text in texts:
-                batch.append(text)
-                if len(batch) == batch_size:
-                    yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
-                    batch = []
-            if batch:
-                yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
-
-        return cls.from_token_documents(token_docs(), seq_len, sep)
+        sep = separator_for(tokenizer, separator_id)
+        return cls.from_token_documents(token_documents(texts, tokenizer, batch_size), seq_len, sep)
 
     @classmethod
     def from_text_files(
@@ -185,7 +200,11 @@ class PackedTokenDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} packed sequences")
         start = index * self.seq_len
-        window = torch.from_numpy(self.stream[start : start + self.seq_len].copy())  # [seq_len]
+        if self.store is not None:
+            window = self.store.read(start, self.seq_len)  # [seq_len] int64, from the file
+        else:
+            window = self.stream[start : start + self.seq_len].astype(np.int64)  # [seq_len], a copy
+        window = torch.from_numpy(window)
         return {"input_ids": window, "index": index}
 
     def document_ids(self, index: int) -> np.ndarray:

@@ -465,7 +465,7 @@ def build_sft_dataset(
             "template": template.name,
             "seed": seed,
         }
-        cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings)}.npz"
+        cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings, split)}.npz"
         if cache_file.is_file():
             dataset, stats = _load_cache(cache_file)
             logger.info("SFT data %s: loaded from cache %s: %s", source, cache_file, stats.summary())
@@ -541,18 +541,25 @@ def build_sft_dataset(
 _CACHE_VERSION = 1
 
 
-def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any]) -> str:
+def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], split: str = "train") -> str:
     """sha256 over the source identity, the tokenizer (vocabulary, merges, template) and the settings.
 
-    A local file is identified by resolved path, size and mtime; a hub dataset by its name only (a
-    new revision on the hub is not detected: clear the cache to pick it up).
+    A local file is identified by resolved path, size and mtime; a hub dataset or local dataset
+    directory by its name, split and the ``datasets`` fingerprint of the split (for a hub dataset
+    derived from the revision resolved: a new upload gives another key). ``datasets`` itself does
+    not notice files of a local directory edited in place: clear its cache and this one for that.
     """
     path = Path(str(source))
     if path.is_file():
         st = path.stat()
         ident: dict[str, Any] = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     else:
-        ident = {"hub": str(source)}
+        rows = load_sft_rows(source, split)
+        ident = {
+            "hub": str(source),
+            "split": split,
+            "datasets_fingerprint": getattr(rows, "_fingerprint", None),
+        }
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     h = hashlib.sha256()

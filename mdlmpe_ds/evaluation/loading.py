@@ -38,7 +38,11 @@ def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
     model = DiffusionLM(config)
     reference = model.state_dict()
     state = {}
-    for name, tensor in engine.fp32_state_dict_from_checkpoint(step_dir).items():
+    from mdlmpe_ds.lora import merged_state
+
+    # a LoRA run's checkpoint holds adapters + MDLMPE only: merged onto its base (mdlmpe_ds/lora.py)
+    consolidated = merged_state(step_dir, saved.run_config, engine.fp32_state_dict_from_checkpoint(step_dir))
+    for name, tensor in consolidated.items():
         want = reference.get(name)
         if want is not None and want.shape != tensor.shape and want.numel() == tensor.numel():
             tensor = tensor.reshape(want.shape)  # the engine stores MDLMPE's scalar gate as [1]

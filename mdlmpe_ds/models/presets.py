@@ -9,6 +9,7 @@
   whose mask id 151666 would not fit the smaller table). Special ids are the family's own.
 - ``llada-tiny`` / ``dream-tiny``: a few hundred thousand parameters, for tests and the CPU demo
   (callers that bring their own tokenizer override ``vocab_size`` and the special ids).
+- ``llada-mech``: d 96, 3 layers, 3 heads of d_h 32, L 256: the mechanism study's size.
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "max_seq_len": 256,
         "tie_embeddings": False,
     },
+}
+
+# The mechanism study (launch/mechanism_study.py): heads of d_h 32 (F = 16 rotary pairs),
+# so that at L = 256 (W = 48) the MDLMPE basis varies inside the window; ~0.35M non-embedding parameters.
+_PRESETS["llada-mech"] = {
+    **_PRESETS["llada-tiny"],
+    "hidden_size": 96,
+    "num_layers": 3,
+    "num_heads": 3,
+    "num_kv_heads": 3,
+    "intermediate_size": 256,
+    "max_seq_len": 256,
 }
 
 # LLaDA-8B's widths cut to 2 layers (random init): the GPU runbook's 1-GPU smoke run (make gpu-check).

@@ -1,7 +1,7 @@
 """The compiled Triton MDLMPE kernel on a CUDA device: bf16 parity with the reference, no NaN at L=4096.
 
 Skipped cleanly without CUDA (the interpreter-mode parity in tests/unit runs everywhere). Every
-call uses the backend's own launch settings (triton_launch.launch_config for the device, head
+call uses the backend's own launch settings (triton.launch.launch_config for the device, head
 size and dtype), the ones tests/unit/test_triton_resources.py compiles for sm_80 and sm_90; the
 config-driven entry point (backend 'auto' on CUDA tensors) is checked to reach the kernel.
 Tolerances (relative Frobenius error against the fp32 reference fed the same bf16 inputs): the
@@ -69,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_parity_with_reference(dtype, tol_io, tol_mlp):
     """GQA, ragged tiles (L = 200 with 32-row tiles), key padding and a partial KV-head mask."""
     from mdlmpe_ds.attention.reference import reference_attention
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     mlp, q, k, v, A, D = _layer(2, 8, 4, 200, 64, dtype)
     key_valid = torch.ones(2, 200, dtype=torch.bool, device="cuda")
@@ -87,7 +87,7 @@ def test_parity_with_reference(dtype, tol_io, tol_mlp):
 def test_auto_backend_on_cuda_is_the_kernel():
     """The default config (backend 'auto') runs the fused kernel on CUDA tensors: same output."""
     from mdlmpe_ds.attention import mdlmpe_attention
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
     from mdlmpe_ds.pe.config import MDLMPEConfig
 
     mlp, q, k, v, A, D = _layer(1, 4, 2, 96, 128, torch.bfloat16)
@@ -98,7 +98,7 @@ def test_auto_backend_on_cuda_is_the_kernel():
 
 def test_zero_initialised_phase_is_flash_rope():
     from mdlmpe_ds.attention.common import rope_attention
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     mlp, q, k, v, A, D = _layer(1, 4, 4, 256, 128, torch.bfloat16, zero_fc2=True)
     out = triton_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4)
@@ -107,7 +107,7 @@ def test_zero_initialised_phase_is_flash_rope():
 
 def test_no_nan_at_4096():
     """LLaDA head size at L = 4096, bf16, fwd + bwd: every output and gradient finite."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     mlp, q, k, v, A, D = _layer(1, 4, 4, 4096, 128, torch.bfloat16, seed=1)
     key_valid = torch.ones(1, 4096, dtype=torch.bool, device="cuda")

@@ -62,13 +62,13 @@ def test_local_text_corpora_and_errors(tmp_path):
 
 
 def test_packed_corpus_cache_keyed_by_source_tokenizer_and_options(tmp_path, monkeypatch):
-    """A restart (or a node's other ranks) loads the token stream instead of tokenising again; the
+    """A restart (or a node's other ranks) maps the token store instead of tokenising again; the
     window length only cuts the stream, so it shares the entry; other options or files do not."""
     import sys
 
     from transformers import AutoTokenizer
 
-    from mdlmpe_ds.data.pretrain import PackedTokenDataset
+    from mdlmpe_ds.data import pretrain
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
     from sft_fixtures import make_tokenizer
@@ -77,21 +77,21 @@ def test_packed_corpus_cache_keyed_by_source_tokenizer_and_options(tmp_path, mon
     corpus, cache = tmp_path / "c.txt", tmp_path / "cache"
     corpus.write_text("what is the color of the sky\n\nit is blue\n\nhow many legs does a cat have\n")
     first = load_packed_corpus(str(corpus), tok, 4, split="paragraph", cache_dir=cache)
-    assert len(list(cache.glob("packed-*.npz"))) == 1 and first.doc_ends.size == 3
+    assert len(list(cache.glob("store-*/COMPLETE"))) == 1 and first.doc_ends.size == 3
 
     def no_tokenising(*args, **kwargs):
         raise AssertionError("a cache hit tokenised the corpus again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(PackedTokenDataset, "from_texts", no_tokenising)
+        patch.setattr(pretrain, "token_documents", no_tokenising)
         again = load_packed_corpus(str(corpus), tok, 3, split="paragraph", cache_dir=cache)
     assert again.stream.tolist() == first.stream.tolist() and again.seq_len == 3
     assert again.doc_ends.tolist() == first.doc_ends.tolist() and again.separator_id == first.separator_id
     assert load_packed_corpus(str(corpus), tok, 4, split="line", cache_dir=cache).doc_ends.size == 3
-    assert len(list(cache.glob("packed-*.npz"))) == 2  # another document convention: another entry
+    assert len(list(cache.glob("store-*/COMPLETE"))) == 2  # another document convention: another entry
     corpus.write_text("it is blue\n")
     assert load_packed_corpus(str(corpus), tok, 4, split="paragraph", cache_dir=cache).doc_ends.size == 1
-    assert len(list(cache.glob("packed-*.npz"))) == 3 and not list(cache.glob("*.tmp.*"))
+    assert len(list(cache.glob("store-*/COMPLETE"))) == 3 and not list(cache.glob(".*staging*"))
 
 
 def test_jsonl_corpus_reads_the_text_column(tmp_path):

@@ -738,3 +738,29 @@ def test_cache_writers_on_two_nodes_never_share_a_temporary_file(tmp_path, llada
         build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
     assert len(written) == 2 and written[0] != written[1]
     assert len(list(cache.glob("sft-*.npz"))) == 1 and not list(cache.glob("*.tmp.*"))
+
+
+def test_cache_of_a_dataset_directory_is_keyed_by_its_datasets_fingerprint(tmp_path, llada_tok, monkeypatch):
+    """A hub-shaped dataset (here a local copy, the same ``datasets`` call as the hub) is cached
+    under its name and ``datasets`` fingerprint: a restart loads it, other data is another entry."""
+    import sys
+    from pathlib import Path
+
+    from mdlmpe_ds.data import sft
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    from hub_fixtures import write_hub_dataset
+
+    rows = {"default": {"train": [{"messages": CONV}] * 4}}
+    repo = write_hub_dataset(tmp_path / "hub", "org/chat", rows, 2)
+    cache = tmp_path / "cache"
+    built, _ = build_sft_dataset(str(repo), llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(built) == 4 and len(list(cache.glob("sft-*.npz"))) == 1
+    with monkeypatch.context() as patch:
+        patch.setattr(sft, "_render_pair", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rebuilt")))
+        again, _ = build_sft_dataset(str(repo), llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert [again[i] for i in range(4)] == [built[i] for i in range(4)]
+    rows = {"default": {"train": [{"messages": MULTI}] * 3}}
+    other = write_hub_dataset(tmp_path / "hub", "org/chat2", rows, 1)
+    changed, _ = build_sft_dataset(str(other), llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(changed) == 3 and len(list(cache.glob("sft-*.npz"))) == 2

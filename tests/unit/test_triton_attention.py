@@ -34,7 +34,9 @@ GRADS = ("out", "dq", "dk", "dv", "dw1", "db1", "dw2", "db2")
 
 # name: batch, query heads, KV heads, length, head_dim, tile, heads per program, active KV heads,
 # padded keys per sequence (-1: the whole last sequence is padding), random (else zero-init) fc2,
-# dtype of q, k, v, MDLMPE pairs per alpha/beta chunk.
+# dtype of q, k, v, MDLMPE pairs per alpha/beta chunk[, tau_max (default 0.25)]. A chunk of even
+# width >= 2 runs the kernels' split path (even / odd pairs apart), width 1 the unsplit one;
+# tau_max <= 0.5 takes the polynomial sin / cos, larger the libdevice one.
 CASES = {
     # ragged key/row tiles (13 = 8 + 5), one program spanning two GQA groups, key padding.
     "gqa_ragged_padding": (1, 4, 2, 13, 8, 8, 4, "11", 3, True, "float32", 1),
@@ -45,6 +47,8 @@ CASES = {
     "zero_init_is_rope": (2, 2, 1, 9, 8, 4, 1, "1", -1, False, "float32", 16),
     # bf16 inputs (the GPU training dtype): fp32 inside, bf16 output and input grads.
     "bf16_inputs": (1, 2, 2, 10, 8, 8, 2, "11", 2, True, "bfloat16", 16),
+    # tau_max above the polynomial's range: libdevice sin / cos; 4 heads in one program, G > Hkv.
+    "large_tau": (1, 4, 1, 7, 8, 4, 4, "1", 0, True, "float32", 2, 1.0),
 }
 
 
@@ -52,9 +56,10 @@ def _run_case(name: str) -> dict[str, float]:
     """Child side: reference vs kernel on one case; max abs error per output and gradient."""
     from mdlmpe_ds.attention.common import rope_attention
     from mdlmpe_ds.attention.reference import reference_attention
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
-    batch, hq, hkv, length, head_dim, tile, per_prog, active, pad, random_fc2, dtype, chunk = CASES[name]
+    batch, hq, hkv, length, head_dim, tile, per_prog, active, pad, random_fc2, dtype, chunk = CASES[name][:12]
+    tau_max = CASES[name][12] if len(CASES[name]) > 12 else 0.25
     gen = torch.Generator().manual_seed(0)
     num_pairs = head_dim // 2
     torch.manual_seed(0)
@@ -76,7 +81,7 @@ def _run_case(name: str) -> dict[str, float]:
         key_valid[:, length - pad :] = False
     active_kv = torch.tensor([c == "1" for c in active])
     grad_out = torch.randn(batch, hq, length, head_dim, generator=gen)
-    kwargs = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active_kv, key_valid=key_valid)
+    kwargs = dict(tau_max=tau_max, clip_kappa=1e-4, active_kv=active_kv, key_valid=key_valid)
 
     def run(fn, **extra) -> list[torch.Tensor]:
         leaves = (q, k, v, *mlp.parameters())
@@ -101,7 +106,16 @@ def _run_case(name: str) -> dict[str, float]:
     # The run-time choice reaches the same kernel (forward only).
     impl = AttentionImpl(backend="triton", tile=tile)
     via_config = mdlmpe_attention(
-        q, k, v, A, D, mlp.params(), MDLMPEConfig(), impl, active_kv=active_kv, key_valid=key_valid
+        q,
+        k,
+        v,
+        A,
+        D,
+        mlp.params(),
+        MDLMPEConfig(tau_max=tau_max),
+        impl,
+        active_kv=active_kv,
+        key_valid=key_valid,
     )
     errors["dispatch"] = (via_config.detach().float() - want[0].float()).abs().max().item()
     if not random_fc2:
@@ -160,7 +174,7 @@ def test_build_time_error_without_triton(monkeypatch):
 
 def test_rejects_learned_coordinate_gradients(monkeypatch):
     """A, D carrying grad (coordinate='mlp') is refused with the way out, not silently detached."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # passes the availability check; no kernel runs
     q = k = v = torch.zeros(1, 2, 4, 8)
@@ -206,7 +220,7 @@ def test_auto_on_cpu_runs_the_blocked_path(monkeypatch):
 def test_explicit_triton_on_cpu_tensors_is_an_error(monkeypatch):
     """Asked for by name, the kernel refuses CPU tensors (outside the interpreter) instead of failing
     deep inside a launch."""
-    from mdlmpe_ds.attention.triton_backend import triton_attention
+    from mdlmpe_ds.attention.triton.backend import triton_attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, CPU tensors

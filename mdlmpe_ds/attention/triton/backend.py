@@ -1,27 +1,28 @@
 """Fused Triton MDLMPE attention (issue 8): the ``triton`` value of ``MDLMPEConfig.backend``.
 
 Same contract as ``reference_attention`` (the spec) plus ``block_size``; an autograd.Function
-over three kernels in ``triton_kernels`` (imported lazily: triton picks interpreter vs compiler
+over two kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
 when it decorates, so ``TRITON_INTERPRET`` must be settled first).
 
-Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
+Design (paper Eqs. app_pair_phase, phase_mlp; kernels.py says what each pass holds):
 - The logit is RoPE plus a correction, S_ij = (q_i . k_j + E_ij) / sqrt(d_h), with
   E_ij = sum_{m in M} alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2), alpha = cos(delta) - 1,
   beta = sin(delta). The plain term is one tile product (tensor cores); E is the CUDA-core work.
-- A program owns a tile of rows (forward, dQ) or keys (dK/dV) and G query heads. Per
-  (row tile, key tile) it computes r -> s -> the phase MLP's hidden layer once (a tile product over
-  the flattened [BM*BN] pairs), then the output layer, delta, alpha and beta in chunks of
-  ``pair_chunk`` MDLMPE pairs; each chunk is reused by a static loop over the G heads, so only
-  [BM, BN, chunk] pair tiles are live while the softmax state of all G heads ([G, BM, d_h]
-  accumulator) stays batched.
+- A program owns a tile of rows (forward) or keys (backward) and G query heads. Per
+  (row tile, key tile) the head-independent work (r, the angle, the phase MLP, alpha, beta) is
+  done once for the G heads; the per-head work is a broadcast over a leading head axis. Backward
+  sums dE/dalpha, dE/dbeta over the heads before the phase MLP's backward (once per tile).
+- alpha, beta by Taylor polynomials when |tau_max| <= 0.5 (|delta| <= tau_max; error bound in
+  kernels.POLY_SIN_BOUND / POLY_COS_BOUND, tested densely), libdevice sin otherwise; approximate
+  division where a clamp follows; 32-bit offsets (inputs of 2^31 elements or more are refused).
 - Online softmax; the forward saves only O and the row max m and sum l (m and l apart, not
   their log-sum-exp, so a padding-only row, whose logits all sit at finfo(float32).min, keeps its
   uniform weights exactly as the reference does).
-- Backward recomputes: the dK/dV kernel loops over row tiles and also produces the phase-MLP
-  gradients (per-program slots, reduced in torch: deterministic); the dQ kernel loops over key
-  tiles. The correction's gradients of the pair dims are added per chunk into [B, Hq, L, |M|]
-  buffers (atomic adds on rows the program owns) and joined in torch. GQA: dK, dV are produced
-  per query head (fp32) and summed per KV group. Extra memory is O(B Hq L d_h): no L x L buffer.
+- One backward pass per key tile: dK, dV and the phase-MLP gradients (per-program slots, summed
+  in torch: deterministic), and dQ added with fp32 atomics into a zeroed buffer (so dQ's order of
+  summation is not fixed on a GPU: run-to-run differences at fp32 rounding). The correction's
+  gradients of the pair dims go to [B, Hq, L, |M|] buffers joined in torch. GQA: dK, dV per query
+  head (fp32), summed per KV group. Extra memory is O(B Hq L d_h): no L x L buffer.
 - Inactive KV heads (the per-head warm-up mask) skip the correction entirely: their query heads
   are routed to plain RoPE SDPA (flash) and only the active heads run the kernel.
 - Precision: q.k, P.V, dO.V, dS.K, dS^T.Q, P^T.dO are tile products in the inputs' dtype (bf16
@@ -29,20 +30,12 @@ Design (cost model in ../shared/PERF.md; paper Eqs. app_pair_phase, phase_mlp):
   path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
   inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
   wrong in triton 3.9; the upcast is exact).
-- Launch settings: ``triton_launch.launch_config(d_h, dtype, capability)``, one function used by
-  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles all three
-  kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
-  target's per-block limit) and ``benchmarks/bench_attention_gpu.py --compile-only``. The earlier
-  default (tile 32, 3 stages) could not launch at d_h 128: 344 / 368 / 394 KiB of shared memory
-  (forward / dK-dV / dQ, sm_90, limit 227 KiB). Now tile 16, 8 warps, 1 stage, maxnreg 255 (G = 1
-  for fp32 at d_h 128, where G = 2 needs 172 KiB in dK/dV, over the A100's 163 KiB): every kernel
-  fits, at most 140 KiB; the dK/dV kernel still spills 0.5-4.9 KiB per thread (table in that
-  test's output), the forward and dQ kernels at most 0.3 KiB at 16-bit.
-- GPU status: no GPU was lent when this was written; correctness is verified in the interpreter
-  only. The transcendental work (angle, SiLU, tanh, sin) is paid once per (i, j) per program and
-  shrinks as 1/G against the 6 FMAs per (head, i, j, m) of the correction itself. Next steps once
-  measured: sweep block_size / G / pair_chunk / num_warps with the benchmark, split dK/dV from the
-  phase-MLP gradients if its spills dominate, fuse dQ into the dK/dV pass with atomics.
+- Launch settings: ``triton.launch.launch_config(d_h, dtype, capability)``, one function used by
+  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles both kernels
+  for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
+  target's per-block limit or spills grow) and ``benchmarks/bench_attention_gpu.py
+  --compile-only``. ``benchmarks/estimate_gpu.py`` turns the kernels' sm_90 SASS into an
+  ESTIMATED H100 step time (not a measurement; correctness is verified in the interpreter only).
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ import os
 import torch
 
 from mdlmpe_ds.attention.common import rope_attention
-from mdlmpe_ds.attention.triton_launch import (
+from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
     kernel_constexprs,
@@ -64,7 +57,7 @@ from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 # Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
-# triton_launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
+# triton.launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
 # Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
 MAX_GPU_TILE = 64
 
@@ -90,9 +83,11 @@ def check_triton_available() -> None:
 
 
 class _Plan:
-    """Static launch parameters shared by the three kernels of one call."""
+    """Static launch parameters shared by the two kernels of one call."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> None:
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig, tau_max: float
+    ) -> None:
         batch, self.num_heads, self.length, self.head_dim = q.shape
         self.num_kv = k.shape[1]
         self.num_pairs = self.head_dim // 2
@@ -110,6 +105,8 @@ class _Plan:
             heads=config.heads_per_program,
             chunk=config.pair_chunk,
             interpreting=_interpreting(),
+            tau_max=tau_max,
+            split=config.pair_split,
         )
         self.group = self.meta["G"]
         self.rows = batch * (self.num_heads // self.group)
@@ -127,9 +124,9 @@ class _MDLMPEAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config):
-        from mdlmpe_ds.attention import triton_kernels as kern
+        from mdlmpe_ds.attention.triton import kernels as kern
 
-        plan = _Plan(q, k, w1, config)
+        plan = _Plan(q, k, w1, config, tau_max)
         out = torch.empty_like(q)
         row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         row_sum = torch.empty_like(row_max)
@@ -160,7 +157,7 @@ class _MDLMPEAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from mdlmpe_ds.attention import triton_kernels as kern
+        from mdlmpe_ds.attention.triton import kernels as kern
 
         q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum = ctx.saved_tensors
         plan: _Plan = ctx.plan
@@ -171,21 +168,33 @@ class _MDLMPEAttention(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=q.device)
         dk = torch.empty(batch, num_heads, length, head_dim, **f32)
         dv = torch.empty_like(dk)
-        dq = torch.empty_like(dk)
-        # Zeroed: the kernels add into these chunk by chunk (dk1, dk2, dq1, dq2; dW2, db2 per slot).
+        dq = torch.zeros_like(dk)  # every key-tile program adds its share
+        # Zeroed: the kernel adds into these chunk by chunk (dq1, dq2, dk1, dk2; dW2, db2 per slot).
         pair_grads = [torch.zeros(batch, num_heads, length, plan.num_mdlmpe, **f32) for _ in range(4)]
         slots = plan.num_tiles * plan.rows
         dw1 = torch.empty(slots, *w1.shape, **f32)
         db1 = torch.empty(slots, *b1.shape, **f32)
         dw2 = torch.zeros(slots, *w2.shape, **f32)
         db2 = torch.zeros(slots, *b2.shape, **f32)
-        common = (q, k, v, A, D, kbias, w1, b1, w2, b2, grad_out, row_max, row_sum, row_delta)
-        kern.mdlmpe_bwd_dkdv_kernel[(plan.num_tiles, plan.rows)](
-            *common,
+        kern.mdlmpe_bwd_kernel[(plan.num_tiles, plan.rows)](
+            q,
+            k,
+            v,
+            A,
+            D,
+            kbias,
+            w1,
+            b1,
+            w2,
+            b2,
+            grad_out,
+            row_max,
+            row_sum,
+            row_delta,
+            dq,
             dk,
             dv,
-            pair_grads[0],
-            pair_grads[1],
+            *pair_grads,
             dw1,
             db1,
             dw2,
@@ -194,21 +203,12 @@ class _MDLMPEAttention(torch.autograd.Function):
             *ctx.consts,
             **plan.meta,
         )
-        kern.mdlmpe_bwd_dq_kernel[(plan.num_tiles, plan.rows)](
-            *common,
-            dq,
-            pair_grads[2],
-            pair_grads[3],
-            *plan.dims(),
-            *ctx.consts,
-            **plan.meta,
-        )
         # Add the correction gradients to the MDLMPE pair dims (f and F + f, f odd).
         pairs = mdlmpe_pairs(plan.num_pairs).to(q.device)
-        dk[..., pairs] += pair_grads[0]
-        dk[..., pairs + plan.num_pairs] += pair_grads[1]
-        dq[..., pairs] += pair_grads[2]
-        dq[..., pairs + plan.num_pairs] += pair_grads[3]
+        dq[..., pairs] += pair_grads[0]
+        dq[..., pairs + plan.num_pairs] += pair_grads[1]
+        dk[..., pairs] += pair_grads[2]
+        dk[..., pairs + plan.num_pairs] += pair_grads[3]
         # GQA: query heads h*REP .. h*REP+REP-1 read KV head h.
         rep = num_heads // plan.num_kv
         dk = dk.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
@@ -226,6 +226,11 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"triton_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     batch, _, length, head_dim = q.shape
+    if q.numel() >= 2**31 or k.numel() >= 2**31:
+        raise ValueError(
+            f"triton_attention: q {tuple(q.shape)} / k {tuple(k.shape)} have 2^31 elements or more; "
+            "the kernels index with 32-bit offsets (split the batch)"
+        )
     if head_dim % 2:
         raise ValueError(f"triton_attention: head_dim={head_dim} must be even (rotary pairs)")
     expected = (batch, length, head_dim // 2)
@@ -268,8 +273,9 @@ def resolve_launch(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
+    pair_split: int | None = None,
 ) -> LaunchConfig:
-    """The launch settings of a call: :func:`triton_launch.launch_config` for q's head size, dtype and
+    """The launch settings of a call: :func:`triton.launch.launch_config` for q's head size, dtype and
     GPU (sm_90's in the interpreter), with any setting given explicitly taking its place."""
     capability = 90 if q.device.type != "cuda" else device_capability(q.device)
     config = launch_config(q.shape[-1], q.dtype, capability)
@@ -280,6 +286,7 @@ def resolve_launch(
         num_warps=num_warps,
         num_stages=num_stages,
         max_registers=max_registers,
+        pair_split=pair_split,
     )
     return dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
 
@@ -302,14 +309,17 @@ def triton_attention(
     pair_chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
+    pair_split: int | None = None,
 ) -> torch.Tensor:
     """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. app_pair_phase).
 
     q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated); A, D [B, L, F] fp32 (no grad);
     ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row
     and key tile edge; ``heads_per_program``, ``pair_chunk`` (MDLMPE pairs per alpha/beta chunk, a
-    power of 2, >= 16 on a GPU), ``num_warps`` and ``num_stages`` are GPU tuning knobs; each one
-    left None comes from ``triton_launch.launch_config`` (the settings checked to fit the GPU).
+    power of 2, >= 16 on a GPU), ``num_warps``, ``num_stages``, ``max_registers`` and
+    ``pair_split`` (1 or 2, see ``LaunchConfig``) are GPU tuning knobs; each one
+    left None comes from ``triton.launch.launch_config`` (the settings checked to fit the GPU).
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()
@@ -318,11 +328,15 @@ def triton_attention(
             f"mdlmpe backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
             "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
         )
-    config = resolve_launch(q, block_size, heads_per_program, pair_chunk, num_warps, num_stages)
+    config = resolve_launch(
+        q, block_size, heads_per_program, pair_chunk, num_warps, num_stages, max_registers, pair_split
+    )
     _check_inputs(q, k, v, A, D, phase, key_valid, config.tile)
     chunk = config.pair_chunk
     if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")
+    if config.pair_split not in (1, 2):
+        raise ValueError(f"triton_attention: pair_split={config.pair_split} must be 1 or 2")
     batch, num_heads, length, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)

@@ -3,10 +3,10 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`` builds the real cubin
 on a CPU-only machine (triton ships ptxas and cuobjdump). From it: the shared memory the launch
 will request (``metadata.shared``; Triton raises OutOfResources at launch above the device's
-per-block maximum, ``triton_launch.SHARED_MEMORY_LIMIT``), and from ``cuobjdump -res-usage`` the
+per-block maximum, ``triton.launch.SHARED_MEMORY_LIMIT``), and from ``cuobjdump -res-usage`` the
 registers per thread and the spill stack (bytes of local memory per thread).
 
-The compile uses exactly what the launcher passes (``triton_launch.launch_config`` and
+The compile uses exactly what the launcher passes (``triton.launch.launch_config`` and
 ``kernel_constexprs``; pointers 16-byte aligned, as torch allocations are), at LLaDA-like dims:
 query heads = KV heads, phase MLP hidden width max(16, F / 2). Used by
 tests/unit/test_triton_resources.py and ``benchmarks/bench_attention_gpu.py --compile-only``.
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mdlmpe_ds.attention.triton_launch import (
+from mdlmpe_ds.attention.triton.launch import (
     SHARED_MEMORY_LIMIT,
     LaunchConfig,
     kernel_constexprs,
@@ -76,12 +76,11 @@ class KernelResources:
 
 
 def _kernel_fn(name: str):
-    from mdlmpe_ds.attention import triton_kernels as kern
+    from mdlmpe_ds.attention.triton import kernels as kern
 
     return {
         "forward": kern.mdlmpe_fwd_kernel,
-        "dk_dv": kern.mdlmpe_bwd_dkdv_kernel,
-        "dq": kern.mdlmpe_bwd_dq_kernel,
+        "backward": kern.mdlmpe_bwd_kernel,
     }[name]
 
 
@@ -105,23 +104,23 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split(":", 1) for item in line.split() if ":" in item) if v.isdigit()}
 
 
-def compile_kernel(
+def compile_cubin(
     kernel: str,
     head_dim: int,
     dtype: torch.dtype,
     capability: int,
     config: LaunchConfig | None = None,
-) -> KernelResources:
-    """Compile ``kernel`` ("forward", "dk_dv" or "dq") for sm_``capability`` with the launch settings
-    the launcher would use (``config`` overrides them, for sweeps) and read its resources."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    num_heads: int = 32,
+):
+    """Triton's compiled kernel (``.asm["cubin"]``, ``.metadata.shared``) of ``kernel`` ("forward",
+    "backward") for sm_``capability``, with the launch settings the launcher would use
+    (``config`` overrides them, for sweeps), at ``num_heads`` query = KV heads."""
 
     config = config or launch_config(head_dim, dtype, capability)
     num_pairs = head_dim // 2
     meta = kernel_constexprs(
-        num_heads=32,
-        num_kv=32,
+        num_heads=num_heads,
+        num_kv=num_heads,
         head_dim=head_dim,
         hidden=max(16, num_pairs // 2),
         num_mdlmpe=len(mdlmpe_pairs(num_pairs)),
@@ -130,8 +129,18 @@ def compile_kernel(
         heads=config.heads_per_program,
         chunk=config.pair_chunk,
         interpreting=False,
+        split=config.pair_split,
     )
-    fn = _kernel_fn(kernel)
+    return compile_function(_kernel_fn(kernel), meta, dtype, capability, config)
+
+
+def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, config: LaunchConfig):
+    """AOT-compile the @triton.jit ``fn`` with constexprs ``meta`` (other arguments: the names in
+    ``_INTS`` are i32, ``_FLOATS`` fp32, pointers in ``_MODEL_DTYPE_POINTERS`` in ``dtype``, every
+    other pointer fp32, all 16-byte aligned) for sm_``capability``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     model_dtype = _TRITON_DTYPES[dtype]
     signature = {}
     for name in fn.arg_names:
@@ -144,19 +153,41 @@ def compile_kernel(
         else:
             signature[name] = f"*{model_dtype if name in _MODEL_DTYPE_POINTERS else 'fp32'}"
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n][0] == "*"}
-    start = time.perf_counter()
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=aligned)
-    compiled = triton.compile(
+    return triton.compile(
         source,
         target=GPUTarget("cuda", capability, 32),
         options=dict(num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers),
     )
+
+
+def sass(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin: the machine code, one instruction per line."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        return subprocess.run(
+            [cuobjdump_path(), "-sass", fh.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def compile_kernel(
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: int,
+    config: LaunchConfig | None = None,
+) -> KernelResources:
+    """Compile ``kernel`` for sm_``capability`` (see :func:`compile_cubin`) and read its resources."""
+    config = config or launch_config(head_dim, dtype, capability)
+    start = time.perf_counter()
+    compiled = compile_cubin(kernel, head_dim, dtype, capability, config)
     usage = resource_usage(compiled.asm["cubin"])
     return KernelResources(
         kernel=kernel,
         capability=capability,
         head_dim=head_dim,
-        dtype=model_dtype,
+        dtype=_TRITON_DTYPES[dtype],
         config=config,
         shared_bytes=int(compiled.metadata.shared),
         shared_limit=SHARED_MEMORY_LIMIT[capability],

@@ -1,5 +1,5 @@
 """Launch settings of the fused Triton MDLMPE kernels: one function of (d_h, dtype, GPU), shared by
-the launcher (``triton_backend``), the ahead-of-time resource check (``triton_aot``, run by
+the launcher (``triton.backend``), the ahead-of-time resource check (``triton.aot``, run by
 tests/unit/test_triton_resources.py on the CPU) and ``benchmarks/bench_attention_gpu.py``.
 
 Why a table and not Triton's autotuner: the limits that matter are hard ones. Shared memory over
@@ -21,6 +21,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+#: Largest |tau_max| for which the kernels use polynomial sin / cos (kernels.POLY_TAU_MAX; repeated
+#: here so that this module never imports triton; a test checks they agree).
+POLY_TAU_MAX = 0.5
+
 #: Largest shared memory one block may request, in bytes (CUDA's opt-in per-block maximum, the
 #: limit Triton checks at launch): A100 163 KiB, H100 227 KiB.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
@@ -30,19 +34,21 @@ CHECKED_CAPABILITIES = (80, 90)
 CHECKED_HEAD_DIMS = (64, 128)
 CHECKED_DTYPES = (torch.bfloat16, torch.float32)
 #: The kernels and the name of each one's output / upstream-gradient pointers in the model dtype.
-KERNELS = ("forward", "dk_dv", "dq")
+KERNELS = ("forward", "backward")
 _warned: set[int] = set()
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Static launch parameters of the three kernels.
+    """Static launch parameters of the two kernels (forward, backward).
 
     ``tile``: row and key tile edge (BM = BN); ``heads_per_program``: query heads sharing one
     alpha/beta tile (G, rounded down to a power-of-2 divisor of Hq at launch); ``pair_chunk``:
     MDLMPE pairs per alpha/beta chunk (the live pair tiles are [tile, tile, pair_chunk]);
     ``num_warps``, ``num_stages``: Triton's (stages = software-pipelining depth of the key loop);
-    ``max_registers``: the PTX ``.maxnreg`` bound (Triton's ``maxnreg``) per thread.
+    ``max_registers``: the PTX ``.maxnreg`` bound (Triton's ``maxnreg``) per thread;
+    ``pair_split``: 1 or 2 sub-chunks per pair chunk for the per-head [G, tile, tile, sub] work
+    (2 halves its registers; the chunk itself stays >= 16 wide for the MLP's tile product).
     """
 
     tile: int
@@ -51,30 +57,28 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     max_registers: int
+    pair_split: int = 2
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchConfig:
     """The launch settings for head size ``head_dim``, q/k/v ``dtype`` and compute capability
     ``capability`` (e.g. 90 for sm_90), chosen from ahead-of-time compiles (table in the report of
     tests/unit/test_triton_resources.py; before/after numbers in the module docstring of
-    triton_backend).
+    triton.backend).
 
-    - tile 16 everywhere: at d_h 128 a 32-tile needs 344 / 368 / 394 KiB of shared memory
-      (forward / dK-dV / dQ, 3 stages) -- over every GPU's limit -- and at d_h 64 it fits sm_90 only
-      while spilling up to 5 KiB per thread; the correction's [tile, tile, chunk] pair tiles and the
-      [tile * tile, F] MLP input grow as tile^2.
+    - tile 16 everywhere: the correction's [G, tile, tile, pairs] head tiles and the
+      [tile * tile, F] MLP input live in registers and grow as tile^2 (a 32-tile was over every
+      GPU's shared memory at d_h 128 with the earlier three-kernel design).
     - 8 warps: the register file is 64 K x 32 bit per SM, so 8 warps is the widest split that still
-      gives each thread the 255-register maximum; 4 warps spills 2-4x more.
-    - 1 pipelining stage: a deeper key-loop pipeline buys shared memory for prefetched k/v tiles
-      (3 stages: +12-30%), while the kernel is bound by the pair arithmetic on CUDA cores, not by
-      those loads; at d_h 128 bf16 on sm_90, 2 stages trade forward / dQ spills (232 -> 40 and
-      272 -> 104 B per thread) for more in dK/dV, the slowest kernel (1752 -> 2016 B).
-    - at most 255 registers per thread, stated: left to itself ptxas gives the dK/dV kernel only
-      128 on sm_80 (5.6 KiB of spills per thread at d_h 128 instead of 4.8 KiB with 255).
-    - 2 heads per program (alpha, beta and the phase MLP shared by both), except fp32 at d_h > 64:
-      there the dK/dV kernel needs 172 KiB of shared memory with 2 heads, over the A100's 163 KiB,
-      and 140 KiB with 1. Fewer heads per program also spills less, but recomputes the phase MLP
-      per head (2x its tensor-core work), so 16-bit inputs keep 2.
+      gives each thread the 255-register maximum (stated: left to itself ptxas may pick 128).
+    - 1 pipelining stage: the kernels are bound by the pair arithmetic on CUDA cores, not by the
+      k / v loads a deeper pipeline would prefetch into shared memory.
+    - 4 heads per program, pairs in chunks of 16 split into even / odd halves: the head-independent
+      work (angle, phase MLP, alpha, beta) is shared by the G heads, so more heads per program
+      cost less per head, until spills dominate. sm_90, d_h 128, bf16, ESTIMATED step ratio at
+      L = 2048 (benchmarks/estimate_gpu.py): G = 1: 12.1x, 2: 7.4x, 4: 5.8x; G = 8 needs 238 KB of
+      shared memory in the backward (over the limit). fp32 at d_h > 64 uses G = 1: with 2 the
+      backward needs 197 KB of shared memory, over the A100's 163 KB.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"triton launch config: dtype {dtype} is not bf16, fp16 or fp32")
@@ -91,7 +95,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
             capability,
             CHECKED_CAPABILITIES,
         )
-    heads = 1 if dtype == torch.float32 and head_dim > 64 else 2
+    heads = 1 if dtype == torch.float32 and head_dim > 64 else 4
     return LaunchConfig(
         tile=16, heads_per_program=heads, pair_chunk=16, num_warps=8, num_stages=1, max_registers=255
     )
@@ -128,12 +132,15 @@ def kernel_constexprs(
     heads: int,
     chunk: int,
     interpreting: bool,
+    tau_max: float = 0.25,
+    split: int = 2,
 ) -> dict[str, object]:
-    """The kernels' tl.constexpr arguments for one call (the same for the three kernels).
+    """The kernels' tl.constexpr arguments for one call (the same for both kernels).
 
     Every padded extent is a power of 2, at least 16 on a GPU (tile products need every dimension
     >= 16); the interpreter has no such floor. PREC: TF32 tile products for 16-bit inputs, IEEE for
-    fp32; UPCAST: bf16 tile operands upcast in the interpreter (its bf16 dot is wrong in triton 3.9).
+    fp32; UPCAST: bf16 tile operands upcast in the interpreter (its bf16 dot is wrong in triton 3.9);
+    POLY: alpha, beta by polynomials (|tau_max| within their checked range, kernels.POLY_TAU_MAX).
     """
     floor = 1 if interpreting else 16
     mc = min(pow2(num_mdlmpe, floor), chunk)
@@ -146,8 +153,10 @@ def kernel_constexprs(
         HP=pow2(hidden, floor),
         MC=mc,
         NC=math.ceil(num_mdlmpe / mc),
+        SPLIT=2 if split == 2 and mc % 2 == 0 else 1,
         BM=tile,
         BN=tile,
         PREC="ieee" if dtype == torch.float32 else "tf32",
         UPCAST=interpreting,
+        POLY=abs(tau_max) <= POLY_TAU_MAX,
     )

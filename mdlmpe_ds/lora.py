@@ -1,0 +1,530 @@
+"""LoRA SFT through `peft`: the spec (``--lora r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down``),
+injection into our ``DiffusionLM``, the frozen backbone, and the maths and files of export.
+
+What is trained: the low-rank adapters A [r, in], B [out, r] of the chosen projections and, in full,
+every MDLMPE parameter (phase MLPs, W_p, b_p, the gate): those are new, so a low-rank delta of an
+untrained weight makes no sense. Everything else (embeddings, norms, projections, LM head) is frozen.
+
+The adapted projection computes ``W x + (alpha / r) B A dropout(x)``; merging writes
+``W' = W + (alpha / r) B A`` [out, in], the same function in eval mode (dropout off).
+
+peft wraps a projection ``q_proj`` as ``q_proj.base_layer`` (the original ``nn.Linear``) plus
+``q_proj.lora_A.default`` / ``q_proj.lora_B.default``; ``base_name`` maps the wrapped names back to the
+plain model's. Import peft before ``deepspeed.zero.Init`` is entered (``import_peft``): importing it
+inside the context fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import warnings
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name inside the training model
+#: Short target names -> the module path inside a transformer block (same for both families here).
+TARGETS = {
+    "q": "attn.q_proj",
+    "k": "attn.k_proj",
+    "v": "attn.v_proj",
+    "o": "attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+#: Other accepted spellings of a target: the project's / Dream's module names and LLaDA's upstream ones.
+TARGET_ALIASES = {
+    **{path.split(".")[-1]: short for short, path in TARGETS.items()},  # q_proj, ..., down_proj
+    "attn_out": "o",  # LLaDA
+    "ff_proj": "gate",  # LLaDA
+    "ff_out": "down",  # LLaDA
+}
+KEYS = ("r", "alpha", "dropout", "targets")
+BASE_FILE = "lora_base.safetensors"  # the initial frozen base of a from-scratch (preset) run
+CHECKPOINT_FILE = "lora.json"  # in each checkpoint: the spec and the trainable parameter names
+MDLMPE_FILE = "mdlmpe.safetensors"  # next to the adapter in an --adapter-only export
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def text(self) -> str:
+        """The canonical ``--lora`` string (what the run config stores)."""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "targets": list(self.targets)}
+
+
+# ---------------------------------------------------------------------------- parsing
+def _target(name: str, where: str) -> str:
+    short = name if name in TARGETS else TARGET_ALIASES.get(name)
+    if short is None:
+        valid = ", ".join([*TARGETS, *sorted(TARGET_ALIASES)])
+        raise ValueError(f"{where}: unknown LoRA target {name!r}; valid targets are {valid} (or 'all')")
+    return short
+
+
+def from_mapping(values: Mapping[str, Any], where: str = "--lora") -> LoraSpec:
+    """A spec from {r, alpha, dropout, targets} (a config-file section); unknown keys are errors."""
+    unknown = [k for k in values if k not in KEYS]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; valid keys are {', '.join(KEYS)}")
+    spec = LoraSpec()
+    try:
+        r = int(values.get("r", spec.r))
+        alpha = float(values.get("alpha", spec.alpha))
+        dropout = float(values.get("dropout", spec.dropout))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: bad number ({err})") from err
+    raw = values.get("targets", list(spec.targets))
+    names = raw.split(",") if isinstance(raw, str) else list(raw)
+    names = [n.strip() for n in names if n.strip()]
+    if names == ["all"]:
+        names = list(TARGETS)
+    chosen = {_target(n, where) for n in names}
+    if r < 1:
+        raise ValueError(f"{where}: r={r} must be >= 1")
+    if not alpha > 0:
+        raise ValueError(f"{where}: alpha={alpha} must be > 0")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"{where}: dropout={dropout} must be in [0, 1)")
+    if not chosen:
+        raise ValueError(f"{where}: targets is empty")
+    return LoraSpec(r, alpha, dropout, tuple(t for t in TARGETS if t in chosen))
+
+
+def parse(text: str, where: str = "--lora") -> LoraSpec:
+    """``r=16,alpha=32,dropout=0.05,targets=q,k,v,o`` -> LoraSpec. Values after ``targets=`` run up
+    to the next ``key=``; omitted keys keep their defaults (r 16, alpha 32, dropout 0.05, all seven)."""
+    values: dict[str, Any] = {}
+    key = None
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if "=" in item:
+            key, value = (s.strip() for s in item.split("=", 1))
+            if key not in KEYS:
+                raise ValueError(
+                    f"{where}: unknown key {key!r} in {text!r}; valid keys are {', '.join(KEYS)}"
+                )
+            if key in values:
+                raise ValueError(f"{where}: key {key!r} given twice in {text!r}")
+            values[key] = [value] if key == "targets" else value
+        elif key == "targets":
+            values["targets"].append(item)
+        else:
+            raise ValueError(f"{where}: {item!r} in {text!r} is not key=value (keys: {', '.join(KEYS)})")
+    return from_mapping(values, where)
+
+
+def spec_of(run_config) -> LoraSpec | None:
+    """The run's spec (``model.lora``), None for a full fine-tune. Takes a RunConfig or its dict."""
+    if isinstance(run_config, dict):  # a checkpoint's config.json (older ones may lack sections)
+        text = (run_config.get("model") or {}).get("lora")
+    else:
+        text = run_config.model.lora
+    return parse(text, "model.lora") if text else None
+
+
+# ---------------------------------------------------------------------------- injection
+def import_peft():
+    """peft, imported before ``deepspeed.zero.Init`` is entered (its import fails inside it)."""
+    import peft
+
+    return peft
+
+
+def target_pattern(spec: LoraSpec) -> str:
+    """A full-match regex over module names: the chosen projections of every block, nothing else
+    (never the nn.Linear layers inside the MDLMPE phase MLPs or the LM head)."""
+    paths = "|".join(TARGETS[t].replace(".", r"\.") for t in spec.targets)
+    return rf"layers\.\d+\.({paths})"
+
+
+def peft_config(spec: LoraSpec, base_model: str | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=target_pattern(spec),
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
+
+
+def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """Wrap the target projections with LoRA adapters in place, then freeze all but adapters and
+    MDLMPE. Under ZeRO-3 call it inside ``zero.Init`` (the adapters are partitioned like the rest)."""
+    peft = import_peft()
+    with warnings.catch_warnings():
+        # under zero.Init peft's own init of A meets an already partitioned (empty) tensor; A and B
+        # are set afterwards by reset_adapters
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        peft.inject_adapter_in_model(peft_config(spec), model)
+    freeze_backbone(model)
+    return model
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def is_mdlmpe_name(name: str) -> bool:
+    from mdlmpe_ds.models.transformer import _is_mdlmpe_name
+
+    return _is_mdlmpe_name(name)
+
+
+def is_trainable_name(name: str) -> bool:
+    return is_adapter_name(name) or is_mdlmpe_name(name)
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_trainable_name(name))
+
+
+def base_name(name: str) -> str:
+    """``layers.0.attn.q_proj.base_layer.weight`` -> ``layers.0.attn.q_proj.weight``."""
+    return name.replace(".base_layer.", ".")
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """{trainable, frozen, adapter, mdlmpe} element counts (full counts under ZeRO-3; tied once)."""
+    out = {"trainable": 0, "frozen": 0, "adapter": 0, "mdlmpe": 0}
+    for name, param in model.named_parameters():
+        n = _numel(param)
+        out["trainable" if param.requires_grad else "frozen"] += n
+        if is_adapter_name(name):
+            out["adapter"] += n
+        elif is_mdlmpe_name(name):
+            out["mdlmpe"] += n
+    return out
+
+
+def adapter_parameter_count(model_config, spec: LoraSpec) -> int:
+    """Adapter elements r (in + out) per target per layer, from the model config (memory plan)."""
+    d, hd = model_config.hidden_size, model_config.head_dim
+    shapes = {
+        "q": (d, model_config.num_heads * hd),
+        "k": (d, model_config.num_kv_heads * hd),
+        "v": (d, model_config.num_kv_heads * hd),
+        "o": (model_config.num_heads * hd, d),
+        "gate": (d, model_config.intermediate_size),
+        "up": (d, model_config.intermediate_size),
+        "down": (model_config.intermediate_size, d),
+    }
+    return model_config.num_layers * sum(spec.r * sum(shapes[t]) for t in spec.targets)
+
+
+@torch.no_grad()
+def reset_adapters(
+    model: nn.Module,
+    seed: int,
+    gathered: Callable[..., Any] | None = None,
+    is_rank0: bool = True,
+) -> None:
+    """A = kaiming-uniform (peft's default, a = sqrt(5)) from a generator seeded by ``seed`` and the
+    module's name, B = 0: the adapted model starts as the base, and every rank holds rank 0's draw
+    (``gathered(params, modifier_rank=0)`` under ZeRO-3; values set on rank 0 are scattered)."""
+    pairs = [
+        (name, module)
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and ADAPTER in getattr(module, "lora_A", {})
+    ]
+    for name, module in pairs:
+        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        context = gathered([a, b], modifier_rank=0) if gathered else contextlib.nullcontext()
+        with context:
+            if is_rank0:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                value = torch.empty(a.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+                a.copy_(value.to(a.dtype))
+                b.zero_()
+
+
+# ---------------------------------------------------------------------------- export maths
+def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+    """(base, adapters, mdlmpe) of a LoRA model's state dict: base under plain names, adapters as
+    ``{module: (A, B)}``, MDLMPE under its names."""
+    base, adapters, mdlmpe = {}, {}, {}
+    for name, tensor in state.items():
+        if is_adapter_name(name):
+            module, rest = name.split(".lora_", 1)
+            which = rest[0]  # "A" or "B"
+            adapters.setdefault(module, {})[which] = tensor
+        elif is_mdlmpe_name(name):
+            mdlmpe[name] = tensor
+        else:
+            base[base_name(name)] = tensor
+    for module, pair in adapters.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"adapter of {module} is incomplete: has only lora_{''.join(pair)}")
+    return base, {m: (p["A"], p["B"]) for m, p in adapters.items()}, mdlmpe
+
+
+def merge(
+    base: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    mdlmpe: Mapping[str, torch.Tensor],
+    spec: LoraSpec,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """The plain model's state dict: W' = W + (alpha / r) B A for each adapted projection (fp32
+    maths), MDLMPE weights as trained, every other base tensor as is; all in ``dtype``."""
+    out = {name: t.to(torch.float32) for name, t in base.items()}
+    for module, (a, b) in adapters.items():  # a [r, in], b [out, r]
+        key = f"{module}.weight"
+        if key not in out:
+            raise KeyError(f"the base has no {key} for the adapter of {module}")
+        delta = (b.to(torch.float32) @ a.to(torch.float32)) * spec.scale  # [out, in]
+        if delta.shape != out[key].shape:
+            raise ValueError(
+                f"adapter of {module}: B A is {tuple(delta.shape)}, {key} is {tuple(out[key].shape)}"
+            )
+        out[key] = out[key] + delta
+    out.update({name: t.to(torch.float32) for name, t in mdlmpe.items()})
+    return {name: t.to(dtype) for name, t in out.items()}
+
+
+def peft_state_dict(adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Adapter tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``), the
+    names ``PeftModel.from_pretrained`` / ``set_peft_model_state_dict`` read."""
+    out = {}
+    for module, (a, b) in adapters.items():
+        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    return out
+
+
+def write_adapter_dir(
+    out: str | Path,
+    adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    mdlmpe: Mapping[str, torch.Tensor],
+    spec: LoraSpec,
+    base_model: str | None,
+    dtype: torch.dtype = torch.float32,
+) -> list[Path]:
+    """A peft-loadable adapter directory (adapter_config.json + adapter_model.safetensors) plus the
+    trained MDLMPE weights (mdlmpe.safetensors, project names). Returns the files written."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = peft_config(spec, base_model)
+    config.save_pretrained(str(out))
+    tensors = {k: v.to(dtype) for k, v in peft_state_dict(adapters).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.to(dtype).contiguous() for k, v in mdlmpe.items()},
+        str(out / MDLMPE_FILE),
+        metadata={"format": "pt"},
+    )
+    return [out / "adapter_config.json", out / "adapter_model.safetensors", out / MDLMPE_FILE]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def write_checkpoint_meta(step_dir: Path, spec: LoraSpec, names: Iterable[str]) -> None:
+    """``lora.json``: the spec and the trainable parameter names the shards hold (checked on resume)."""
+    tmp = step_dir / (CHECKPOINT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"lora": spec.to_dict(), "trainable": list(names)}, indent=1))
+    os.replace(tmp, step_dir / CHECKPOINT_FILE)
+
+
+def check_checkpoint(step_dir: Path, spec: LoraSpec | None, names: list[str]) -> None:
+    """Before DeepSpeed loads ``step_dir`` (non-strict for LoRA: the frozen base is not in it): the
+    checkpoint must be of the same kind (LoRA or full), the same spec, and hold exactly the adapter
+    and MDLMPE parameters this model trains; else a clear error naming what differs."""
+    file = step_dir / CHECKPOINT_FILE
+    if spec is None:
+        if file.is_file():
+            raise ValueError(
+                f"{step_dir} is a LoRA checkpoint ({file.name}) but this run is a full fine-tune: resume "
+                f"it with --lora {parse_spec_text(file)}"
+            )
+        return
+    if not file.is_file():
+        raise ValueError(
+            f"{step_dir} is a full fine-tune checkpoint (no {CHECKPOINT_FILE}); it cannot be resumed "
+            f"as a LoRA run (--lora {spec.text()})"
+        )
+    try:
+        saved = json.loads(file.read_text())
+        saved_spec = from_mapping(saved["lora"], str(file))
+        saved_names = list(saved["trainable"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{file}: unreadable LoRA checkpoint metadata ({err!r})") from err
+    if saved_spec != spec:
+        raise ValueError(
+            f"{file}: checkpoint trained --lora {saved_spec.text()}, this run has --lora {spec.text()}"
+        )
+    missing = [n for n in names if n not in saved_names]
+    extra = [n for n in saved_names if n not in names]
+    if missing or extra:
+        raise ValueError(
+            f"{step_dir}: the checkpoint's adapter/MDLMPE parameters differ from this model's: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
+
+
+def parse_spec_text(file: Path) -> str:
+    try:
+        return from_mapping(json.loads(file.read_text())["lora"], str(file)).text()
+    except (ValueError, KeyError, TypeError):
+        return "..."
+
+
+def base_file(output_dir: str | Path) -> Path:
+    return Path(output_dir) / BASE_FILE
+
+
+def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
+    """The initial base of a preset LoRA run: next to ``checkpoints/`` of ``step_dir`` (the run may
+    have been moved), else in the recorded output_dir; a clear error when neither holds it."""
+    candidates = [step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{step_dir} is a LoRA checkpoint of a from-scratch model, whose frozen base is kept once in "
+        f"{BASE_FILE} of the run's output_dir; not found at {', '.join(map(str, candidates))}"
+    )
+
+
+def merged_state(
+    step_dir: Path, run_config: Mapping[str, Any], state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's consolidated state as the plain model's: for a LoRA run the base (read_base)
+    with the adapters merged in and the trained MDLMPE weights; a full fine-tune's state as is."""
+    spec = spec_of(run_config)
+    if spec is None:
+        return dict(state)
+    _, adapters, mdlmpe = split_state(state)
+    return merge(read_base(step_dir, run_config), adapters, mdlmpe, spec)
+
+
+def read_base(step_dir: Path, run_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The frozen base of a LoRA checkpoint under plain names: the pretrained directory recorded as
+    ``model.model_name_or_path``, or the preset run's ``lora_base.safetensors``."""
+    from safetensors.torch import load_file
+
+    source = run_config["model"].get("model_name_or_path")
+    if source is None:
+        return load_file(str(find_base_file(step_dir, run_config)))
+    from mdlmpe_ds.hub.resolve import resolve_model
+    from mdlmpe_ds.models.hf_io import load_pretrained
+
+    model = load_pretrained(resolve_model(source, run_config["model"].get("revision")))
+    return {name: p.detach() for name, p in model.named_parameters() if not is_mdlmpe_name(name)}
+
+
+# ---------------------------------------------------------------------------- the trainer's call sites
+def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, params: dict, meta: bool) -> str:
+    """For a LoRA run (``model.lora`` set; else nothing, returns ""): keep or restore the frozen base
+    of a from-scratch model, inject the adapters (engine.add_lora), freeze the backbone; adds the
+    trainable/frozen counts to ``params`` and returns the plan's LoRA line."""
+    from mdlmpe_ds import engine as eng
+
+    spec = spec_of(run)
+    if spec is None:
+        return ""
+    if not meta and run.model.model_name_or_path is None:
+        keep_base(model, run, resume_from)
+    eng.add_lora(model, spec, ds_config, run.train.seed, meta=meta)
+    counts = parameter_counts(model)
+    params.update(counts)
+    share = 100.0 * counts["trainable"] / max(1, counts["trainable"] + counts["frozen"])
+    return (
+        f"\nLoRA {spec.text()}: trainable {counts['trainable']:,} (adapters {counts['adapter']:,} + "
+        f"MDLMPE {counts['mdlmpe']:,}), frozen {counts['frozen']:,} ({share:.2f}% trained)"
+    )
+
+
+def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
+    """A from-scratch model's frozen base lives in no pretrained directory, and LoRA checkpoints do
+    not hold it: a fresh run writes it once to ``output_dir/lora_base.safetensors`` (rank 0, atomic);
+    a resumed run loads it from there (collective)."""
+    from safetensors.torch import load_file, save_file
+
+    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds import engine as eng
+
+    names = [n for n, _ in model.named_parameters() if not is_mdlmpe_name(n)]
+    if resume_from is None:
+        tensors = eng.gathered_tensors(model, names)
+        if tensors is not None:
+            target = base_file(run.train.output_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, target)
+        eng.barrier()
+        return
+    source = find_base_file(resume_from, ckpt.read_saved_run(resume_from).run_config)
+    tensors = load_file(str(source))
+    if sorted(tensors) != sorted(names):
+        missing = sorted(set(names) - set(tensors))
+        raise ValueError(
+            f"{source}: not this model's base (missing {missing[:5]}, has {len(tensors)} tensors)"
+        )
+    eng.copy_into(model, tensors)
+
+
+def memory_plan_kwargs(params: dict) -> dict[str, int]:
+    """memory_plan.plan_memory's LoRA arguments (optimizer and gradients of trainable parameters
+    only; the adapters added to the parameters); empty for a full fine-tune."""
+    if "trainable" not in params:
+        return {}
+    return {"trainable_params": params["trainable"], "extra_params": params["adapter"]}
+
+
+def checkpoint_save_kwargs(run) -> dict[str, bool]:
+    """DeepSpeed save_checkpoint arguments: a LoRA run leaves the frozen base out of every save."""
+    return {"exclude_frozen_parameters": True} if spec_of(run) is not None else {}
+
+
+def checkpoint_load_kwargs(run) -> dict[str, bool]:
+    """DeepSpeed load_checkpoint arguments: a LoRA checkpoint holds no frozen base (non-strict; the
+    keys that must be there are checked by ``check_resume`` first)."""
+    return {"load_module_strict": False} if spec_of(run) is not None else {}
+
+
+def write_checkpoint_meta_of(step_dir: Path, run, model: nn.Module) -> None:
+    spec = spec_of(run)
+    if spec is not None:
+        write_checkpoint_meta(step_dir, spec, trainable_names(model))
+
+
+def check_resume(step_dir: Path, run, model: nn.Module) -> None:
+    spec = spec_of(run)
+    check_checkpoint(step_dir, spec, trainable_names(model) if spec is not None else [])

@@ -1,0 +1,270 @@
+"""LoRA (mdlmpe_ds/lora.py) without a process group: the --lora spec, which modules peft wraps and
+which parameters train, the merge maths against the adapter-wrapped model, the peft adapter
+directory, the checkpoint key check, and the memory plan of a dry run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdlmpe_ds import lora
+from mdlmpe_ds.attention import AttentionImpl
+from mdlmpe_ds.lora import LoraSpec
+from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.transformer import DiffusionLM
+
+REPO = Path(__file__).resolve().parents[2]
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _tiny(family: str = "llada", encoding: str = "mdlmpe") -> DiffusionLM:
+    torch.manual_seed(0)
+    cfg = preset(
+        f"{family}-tiny",
+        position_encoding=encoding,
+        max_seq_len=32,
+        mdlmpe={"max_seq_len": 32},
+        gradient_checkpointing=False,
+    )
+    return DiffusionLM(cfg, impl=AttentionImpl(backend="reference"))
+
+
+def _randomize(model: torch.nn.Module, seed: int = 1) -> None:
+    """Non-zero adapters (B starts at 0) and non-zero MDLMPE residuals, so merges are not trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
+
+
+# ------------------------------------------------------------------------------------ the spec
+def test_parse_full_form_defaults_and_round_trip():
+    spec = lora.parse("r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down")
+    assert spec == LoraSpec(16, 32.0, 0.05, ALL)
+    assert spec.scale == 2.0
+    assert lora.parse(spec.text()) == spec
+    assert lora.parse("r=8") == LoraSpec(8, 32.0, 0.05, ALL)
+    assert lora.parse("targets=all,r=4").targets == ALL
+    # order and spelling do not matter: canonical order, LLaDA's upstream names and the module names
+    assert lora.parse("targets=down,q").targets == ("q", "down")
+    assert lora.parse("targets=attn_out,ff_proj,ff_out,up_proj").targets == ("o", "gate", "up", "down")
+    assert lora.parse("targets=q_proj,o_proj,gate_proj").targets == ("q", "o", "gate")
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("rank=4", "'rank'"),
+        ("r=4,targets=q,qkv", "'qkv'"),
+        ("r=0", "r=0"),
+        ("dropout=1.0", "dropout=1.0"),
+        ("alpha=-1", "alpha=-1"),
+        ("r=4,16", "'16'"),
+        ("r=4,r=8", "'r' given twice"),
+        ("r=four", "bad number"),
+    ],
+)
+def test_parse_errors_name_the_bad_part(text, named):
+    with pytest.raises(ValueError, match="--lora") as err:
+        lora.parse(text)
+    assert named in str(err.value)
+
+
+def test_config_key_and_config_file_section(tmp_path):
+    from mdlmpe_ds.config import RunConfig, build_config
+
+    run = build_config(None, ["--lora", "r=4,targets=v,q"])
+    assert run.model.lora == "r=4,alpha=32,dropout=0.05,targets=q,v"
+    assert lora.spec_of(run) == LoraSpec(4, 32.0, 0.05, ("q", "v"))
+    assert lora.spec_of(build_config(None, [])) is None
+    file = tmp_path / "run.json"
+    file.write_text(json.dumps({"model": {"lora": {"r": 8, "alpha": 16, "targets": ["q", "down"]}}}))
+    assert build_config(str(file), []).model.lora == "r=8,alpha=16,dropout=0.05,targets=q,down"
+    with pytest.raises(ValueError, match="unknown key 'rnak'"):
+        RunConfig.from_dict({"model": {"lora": {"rnak": 8}}})
+    with pytest.raises(ValueError, match=r"model.lora.*unknown LoRA target 'x'"):
+        build_config(None, ["--lora", "targets=x"])
+
+
+# ------------------------------------------------------------------------------------ injection
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_only_the_target_projections_are_wrapped_and_mdlmpe_trains_in_full(family):
+    model = _tiny(family)
+    before = {n: p.numel() for n, p in model.named_parameters()}
+    mdlmpe = set(model.mdlmpe_parameter_names())
+    assert mdlmpe  # phase MLPs, W_p, b_p, gate
+    lora.inject(model, lora.parse("r=2,targets=q,v,down"))
+    wrapped = sorted(n for n, m in model.named_modules() if hasattr(m, "lora_A"))
+    layers = model.config.num_layers
+    assert wrapped == sorted(
+        f"layers.{i}.{path}"
+        for i in range(layers)
+        for path in ("attn.q_proj", "attn.v_proj", "mlp.down_proj")
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if lora.is_adapter_name(n)}
+    assert trainable == adapters | mdlmpe and len(adapters) == 2 * len(wrapped)
+    frozen = {lora.base_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == set(before) - mdlmpe  # every backbone parameter, none lost or added
+    counts = lora.parameter_counts(model)
+    assert counts["frozen"] == sum(before[n] for n in frozen)
+    assert counts["mdlmpe"] == sum(before[n] for n in mdlmpe)
+    assert counts["trainable"] == counts["adapter"] + counts["mdlmpe"]
+    assert counts["adapter"] == lora.adapter_parameter_count(model.config, lora.parse("r=2,targets=q,v,down"))
+
+
+def test_reset_adapters_is_deterministic_and_starts_at_the_base():
+    outputs = []
+    for _ in range(2):
+        model = _tiny()
+        plain = _tiny()
+        lora.inject(model, lora.parse("r=4"))
+        lora.reset_adapters(model, seed=7)
+        a = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_A." in n}
+        assert all(float(t.abs().sum()) > 0 for t in a.values())
+        assert all(float(p.detach().abs().sum()) == 0 for n, p in model.named_parameters() if ".lora_B." in n)
+        outputs.append(a)
+        ids = torch.randint(0, 100, (2, 12))
+        with torch.no_grad():  # B = 0: the adapted model is the base
+            torch.testing.assert_close(model.eval()(ids), plain.eval()(ids), rtol=0, atol=0)
+    assert all(torch.equal(outputs[0][n], outputs[1][n]) for n in outputs[0])
+
+
+# ------------------------------------------------------------------------------------ export maths
+def _trained(spec: LoraSpec) -> tuple[DiffusionLM, dict[str, torch.Tensor]]:
+    """A tiny adapter-wrapped model with non-zero adapters and MDLMPE, and its state dict."""
+    model = _tiny()
+    lora.inject(model, spec)
+    _randomize(model)
+    return model.eval(), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_merge_is_w_plus_scaled_ba_and_gives_the_adapter_models_logits():
+    spec = lora.parse("r=4,alpha=12,dropout=0.1")
+    model, state = _trained(spec)
+    base, adapters, mdlmpe = lora.split_state(state)
+    merged = lora.merge(base, adapters, mdlmpe, spec)
+    a, b = adapters["layers.1.mlp.up_proj"]
+    torch.testing.assert_close(
+        merged["layers.1.mlp.up_proj.weight"] - base["layers.1.mlp.up_proj.weight"], (b @ a) * 3.0
+    )
+    assert torch.equal(merged["lm_head.weight"], base["lm_head.weight"])  # not adapted: as is
+    plain = _tiny()
+    plain.load_state_dict(merged, strict=True)
+    ids = torch.randint(0, 100, (2, 16))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, 12:] = False
+    with torch.no_grad():  # eval: dropout off, so the wrapped and merged models are one function
+        torch.testing.assert_close(
+            plain.eval()(ids, valid=valid), model(ids, valid=valid), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_adapter_directory_loads_with_peft(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    spec = lora.parse("r=4,alpha=8,targets=q,k,o,gate")
+    model, state = _trained(spec)
+    base, adapters, mdlmpe = lora.split_state(state)
+    files = lora.write_adapter_dir(tmp_path / "adapter", adapters, mdlmpe, spec, base_model="some/base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, "some/base")
+    assert [f.name for f in files] == ["adapter_config.json", "adapter_model.safetensors", lora.MDLMPE_FILE]
+    fresh = _tiny()
+    with torch.no_grad():  # the base, then the trained MDLMPE weights from the adapter directory
+        fresh.load_state_dict(
+            {**base, **load_file(str(tmp_path / "adapter" / lora.MDLMPE_FILE))}, strict=True
+        )
+    wrapped = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ids), model(ids), rtol=0, atol=0)
+
+
+def test_split_state_refuses_half_an_adapter():
+    _, state = _trained(lora.parse("r=2,targets=q"))
+    del state["layers.0.attn.q_proj.lora_B.default.weight"]
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj is incomplete"):
+        lora.split_state(state)
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def test_checkpoint_key_check(tmp_path):
+    spec = lora.parse("r=4,targets=q,v")
+    model = _tiny()
+    lora.inject(model, spec)
+    names = lora.trainable_names(model)
+    lora.write_checkpoint_meta(tmp_path, spec, names)
+    lora.check_checkpoint(tmp_path, spec, names)  # same: passes
+    with pytest.raises(ValueError, match=r"checkpoint trained --lora r=4.*this run has --lora r=8"):
+        lora.check_checkpoint(tmp_path, lora.parse("r=8,targets=q,v"), names)
+    with pytest.raises(ValueError, match=r"missing.*layers.0.attn.k_proj.lora_A"):
+        lora.check_checkpoint(tmp_path, spec, [*names, "layers.0.attn.k_proj.lora_A.default.weight"])
+    with pytest.raises(ValueError, match=r"unexpected.*embed.mdlmpe"):
+        lora.check_checkpoint(tmp_path, spec, [n for n in names if not n.startswith("embed.mdlmpe")])
+    with pytest.raises(ValueError, match=r"LoRA checkpoint.*full fine-tune: resume it with --lora r=4"):
+        lora.check_checkpoint(tmp_path, None, [])
+    with pytest.raises(ValueError, match="full fine-tune checkpoint"):
+        lora.check_checkpoint(tmp_path / "missing", spec, names)
+
+
+def test_find_base_file_names_where_it_looked(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    config = {"train": {"output_dir": str(tmp_path / "elsewhere")}, "model": {}}
+    with pytest.raises(FileNotFoundError, match=r"lora_base.safetensors"):
+        lora.find_base_file(step, config)
+    (tmp_path / "run" / lora.BASE_FILE).write_bytes(b"x")
+    assert lora.find_base_file(step, config) == tmp_path / "run" / lora.BASE_FILE
+
+
+# ------------------------------------------------------------------------------------ dry run
+def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(capsys, monkeypatch):
+    from mdlmpe_ds import engine as eng
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.trainer import build_engine
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    results = {}
+    for name, extra in (("full", []), ("lora", ["--lora", "r=16,alpha=32,dropout=0.05"])):
+        run = build_config(
+            None, ["--micro_batch_size", "1", "--max_len", "64", "--precision", "bf16", *extra]
+        )
+        cfg = preset("llada-tiny", position_encoding="mdlmpe", max_seq_len=64, mdlmpe={"max_seq_len": 64})
+        ds = eng.prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)
+        _, built = build_engine(run, cfg, ds, total=3, n_examples=10, dry_run=True)
+        results[name] = (built, capsys.readouterr().out)
+    built, out = results["lora"]
+    params = built["params"]
+    assert "LoRA r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down: trainable" in out
+    assert params["trainable"] == params["adapter"] + params["mdlmpe"]
+    assert params["frozen"] == params["backbone"]
+    assert f"{params['trainable']:,} trainable" in out  # in the optimizer/gradient lines of the plan
+    # gradients and optimizer states of the trainable parameters only: a smaller plan in total
+    assert built["memory_gib"] < results["full"][0]["memory_gib"]
+
+
+def test_memory_plan_of_llada_8b_with_lora():
+    """The README's numbers: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
+    from mdlmpe_ds import engine as eng
+    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.memory_plan import plan_memory
+
+    run = build_config(None, ["--micro_batch_size", "1", "--max_len", "2048", "--precision", "bf16"])
+    ds = eng.prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)
+    cfg = preset("llada-8b", max_seq_len=2048, mdlmpe={"max_seq_len": 2048})
+    spec = lora.parse("r=16,alpha=32,dropout=0.05")
+    adapters = lora.adapter_parameter_count(cfg, spec)
+    with torch.device("meta"):
+        mdlmpe = DiffusionLM(cfg).num_mdlmpe_parameters()
+    full = plan_memory(cfg, ds, 8, 1, 2048)
+    with_lora = plan_memory(cfg, ds, 8, 1, 2048, trainable_params=adapters + mdlmpe, extra_params=adapters)
+    ratio = with_lora.item("optimizer states (ZeRO-3 shard)") / full.item("optimizer states (ZeRO-3 shard)")
+    assert ratio < 0.01  # ~42M of ~8B parameters trained
+    assert with_lora.total < full.total
+    assert with_lora.item("parameters (ZeRO-3 shard)") > full.item("parameters (ZeRO-3 shard)")
