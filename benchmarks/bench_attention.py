@@ -8,7 +8,7 @@ are noisy). Columns:
 - ``rope ms`` / ``mdlmpe ms``: best of ``--repeats`` forward+backward wall times (after warm-up;
   compiled runs warm up until the graphs exist, so compile time is excluded).
 - ``saved MB``: bytes kept for backward between forward and backward (distinct storages seen by
-  torch.autograd.graph.saved_tensors_hooks; with per-block checkpointing only block inputs).
+  torch.autograd.graph.saved_tensors_hooks: block inputs, outputs and log-sum-exps).
 - ``peak+ MB`` (rows of ``--memory-modes``): transient memory of one forward+backward above
   RoPE's. CPU: a fresh subprocess per configuration with every allocation >= 64 KiB mmapped (so
   freed memory leaves RSS), VmHWM reset through /proc/self/clear_refs after the inputs exist and
@@ -62,7 +62,6 @@ class Case:
     active: int = 8  # number of KV heads with MDLMPE (activation order of pe.heads)
     head_dim: int = 64
     mode: str = "eager"  # eager | compiled
-    checkpoint: bool = True
     method: str = "blocked"
     device: str = "cpu"
 
@@ -112,7 +111,6 @@ def method_blocked(inp: dict, case: Case) -> torch.Tensor:
         clip_kappa=CLIP_KAPPA,
         active_kv=inp["active"],
         block_size=case.block_size,
-        checkpoint=case.checkpoint,
         compile=case.mode == "compiled",
     )
 
@@ -223,8 +221,7 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     for mode in args.modes:
         for length in args.lengths:
             for block in args.block_sizes:
-                for ckpt in args.checkpoint:
-                    cases.append(Case(length, block, mode=mode, checkpoint=ckpt, device=args.device))
+                cases.append(Case(length, block, mode=mode, device=args.device))
         if args.no_variants:
             continue
         variant_length = args.variant_length
@@ -240,13 +237,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
-    parser.add_argument(
-        "--checkpoint",
-        type=lambda s: s.lower() in ("1", "true", "on"),
-        nargs="+",
-        default=[True],
-        help="per-block checkpointing values to sweep (on/off)",
-    )
     parser.add_argument("--variant-length", type=int, default=512, help="L of the GQA / partial-mask rows")
     parser.add_argument("--no-variants", action="store_true", help="skip the GQA / partial-mask rows")
     methods = [m for m in METHODS if m != "rope"]
@@ -286,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     header = (
-        f"{'method':>8} {'mode':>8} {'L':>5} {'C':>4} {'rows':>4} {'Hkv':>3} {'act':>3} {'ckpt':>4} "
+        f"{'method':>8} {'mode':>8} {'L':>5} {'C':>4} {'rows':>4} {'Hkv':>3} {'act':>3} "
         f"{'rope ms':>8} {'mdlmpe ms':>10} {'ratio':>6} {'saved MB':>8} {'peak+ MB':>8} {'B/(C·L)':>8}"
     )
     print(
@@ -318,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{method:>8} {case.mode:>8} {case.length:>5} {case.block_size:>4} {rows:>4} "
                 f"{case.kv_heads:>3} "
-                f"{case.active:>3} {'on' if case.checkpoint else 'off':>4} {t_rope * 1e3:>8.1f} "
+                f"{case.active:>3} {t_rope * 1e3:>8.1f} "
                 f"{t_method * 1e3:>10.1f} {t_method / t_rope:>6.1f} {saved:>8.1f} {peak:>8.1f} "
                 f"{per_cl:>8.0f}",
                 flush=True,

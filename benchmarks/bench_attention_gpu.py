@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=LLADA["head_dim"])
     p.add_argument("--active-fraction", type=float, default=1.0, help="share of KV heads with MDLMPE")
     # Triton launch settings: None = the backend's (triton.launch.launch_config).
-    p.add_argument("--tile", type=int, default=None, help="Triton row/key tile (mdlmpe.triton_tile)")
+    p.add_argument("--tile", type=int, default=None, help="Triton row/key tile (attention.tile)")
     p.add_argument("--heads-per-program", type=int, default=None, help="Triton heads sharing alpha/beta")
     p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
     p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
@@ -158,7 +158,6 @@ def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callab
                 mlp.params(),
                 **common,
                 block_size=args.blocked_block,
-                checkpoint=True,
                 compile=args.compile_blocked,
             )
         )

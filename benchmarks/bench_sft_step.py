@@ -46,6 +46,7 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
     optimizer is ``step.optimizer``."""
     import torch
 
+    from mdlmpe_ds.attention import AttentionImpl
     from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
     from mdlmpe_ds.diffusion.losses import llada_sft_loss
     from mdlmpe_ds.models.presets import preset
@@ -53,7 +54,7 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    mdlmpe = {"backend": args.backend, "block_size": args.block_size, "compile": args.compile}
+    impl = AttentionImpl(backend=args.backend, query_block=args.block_size, compile=args.compile)
     config = preset(
         args.preset,
         vocab_size=args.vocab,
@@ -63,10 +64,9 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
         max_seq_len=args.seq_len,
         position_encoding=pe,
         gradient_checkpointing=True,
-        mdlmpe=mdlmpe,
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = DiffusionLM(config, device=device).to(dtype).train()
+    model = DiffusionLM(config, device=device, impl=impl).to(dtype).train()
     if lora_spec is not None:
         from mdlmpe_ds import lora
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.memory_plan import (
     GIB,
     LiveTensorBytes,
@@ -40,7 +41,7 @@ MODES = (
     ("rope", True, {}),
     ("mdlmpe", True, {}),
     ("mdlmpe", False, {}),
-    ("mdlmpe", True, {"checkpoint_blocks": False}),
+    ("mdlmpe", True, {"backend": "reference"}),
 )
 
 
@@ -55,13 +56,14 @@ def layer_table(length: int, batch: int) -> list[dict]:
                 max_seq_len=length,
                 position_encoding=encoding,
                 gradient_checkpointing=ckpt,
-                mdlmpe=MDLMPEConfig(max_seq_len=length, **extra),
+                mdlmpe=MDLMPEConfig(max_seq_len=length),
             )
+            impl = AttentionImpl(**extra)
             start = time.perf_counter()
-            measured = measure_layer(cfg, batch, length)
-            plan = layer_activation_bytes(cfg, 4, batch, length)
+            measured = measure_layer(cfg, batch, length, impl=impl)
+            plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl)
             peak = measured["kept"] + measured["backward"]
-            label = f"{name} {encoding}{' ckpt' if ckpt else ''}{' no-block-ckpt' if extra else ''}"
+            label = f"{name} {encoding}{' ckpt' if ckpt else ''}{' reference' if extra else ''}"
             rows.append(
                 {
                     "layer": label,
@@ -123,9 +125,10 @@ def gpu_plans() -> list[dict]:
                         max_seq_len=length,
                         position_encoding="mdlmpe",
                         gradient_checkpointing=True,
-                        mdlmpe=MDLMPEConfig(max_seq_len=length, backend=backend),
+                        mdlmpe=MDLMPEConfig(max_seq_len=length),
                     )
-                    totals = [plan_memory(cfg, ds, 8, b, length).total / GIB for b in (1, 2, 4)]
+                    impl = AttentionImpl(backend=backend)
+                    totals = [plan_memory(cfg, ds, 8, b, length, impl=impl).total / GIB for b in (1, 2, 4)]
                     out.append(
                         {
                             "config": config,

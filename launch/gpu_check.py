@@ -47,7 +47,7 @@ def smoke_flags(data_dir: Path, length: int, micro_batch: int, output_dir: Path)
     return [
         "--tokenizer", str(tokenizer), "--dataset", str(chat),
         "--preset", "llada-8b-2layers", "--vocab_size", "126464",
-        "--position_encoding", "mdlmpe", "--model.mdlmpe", json.dumps({"backend": "triton"}),
+        "--position_encoding", "mdlmpe", "--attention.backend", "triton",
         "--precision", "bf16", "--max_len", str(length), "--pad_to_multiple_of", str(length),
         "--micro_batch_size", str(micro_batch), "--grad_accum", "1", "--max_steps", "3",
         "--save_every", "1000", "--log_every", "1", "--output_dir", str(output_dir),

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mdlmpe_ds.pe.config import IMPLEMENTATION_KEYS
+from mdlmpe_ds.pe.config import drop_moved_keys
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -393,11 +393,12 @@ RUNTIME_MODEL_KEYS = ("gradient_checkpointing", "recompute_mdlmpe_attention")
 
 
 def _model_identity(model_config: dict[str, Any]) -> dict[str, Any]:
-    """The model config without runtime choices: checkpointing switches and MDLMPE's attention
-    implementation (backend, block size, compile, ...), which a resumed run may change."""
+    """The model config without runtime choices (checkpointing switches), which a resumed run may
+    change; an older checkpoint's MDLMPE block also loses the attention-implementation keys it
+    stored then (pe.config.MOVED_KEYS: now the run's attention section, never in a model config)."""
     identity = {k: v for k, v in model_config.items() if k not in RUNTIME_MODEL_KEYS}
     if isinstance(identity.get("mdlmpe"), dict):
-        identity["mdlmpe"] = {k: v for k, v in identity["mdlmpe"].items() if k not in IMPLEMENTATION_KEYS}
+        identity["mdlmpe"] = drop_moved_keys(identity["mdlmpe"])
     return identity
 
 

@@ -1,6 +1,6 @@
 """Typed training configuration for SFT and pretraining runs: model choice, data, optimisation, loop.
 
-One `RunConfig` (four sections) is built from dataclass defaults (the embedded CPU demo), then an
+One `RunConfig` (five sections) is built from dataclass defaults (the embedded CPU demo), then an
 optional `--config file.json|yaml`, then `--key value` command-line overrides, and is validated
 before anything is built. It is saved as `config.json` into every checkpoint, so a resume can
 check that it continues the same model.
@@ -12,12 +12,16 @@ the valid ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
 LOSS_FAMILIES = ("auto", "llada", "dream")
@@ -46,8 +50,10 @@ class ModelChoice:
     mask_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # MDLMPE knobs (pe/config.py MDLMPEConfig keys), e.g. {"backend": "reference", "tau_max": 0.2}.
-    mdlmpe: dict[str, Any] = field(default_factory=dict)
+    # MDLMPE's method keys (pe/config.py MDLMPEConfig): a JSON object merged into the defaults
+    # (--model.mdlmpe '{"tau_max": 0.2}') or one key (--model.mdlmpe.tau_max 0.2); max_seq_len -1
+    # follows data.max_len. How the attention runs is the `attention` section, not a model key.
+    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
     gradient_checkpointing: bool = True
     # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
     # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
@@ -88,7 +94,7 @@ class DataConfig:
     resp_cutoff_ratio: float = 0.0
     # Round each batch's width (longest row) up to a multiple of this, capped at max_len; the extra
     # columns are EOS padding like the rest. With the compiled MDLMPE attention
-    # (model.mdlmpe.compile) every distinct width is a new graph, so a multiple such as 64 bounds
+    # (attention.compile) every distinct width is a new graph, so a multiple such as 64 bounds
     # the compiles (torch.compile stops at 8 per graph and falls back to eager). None: no rounding.
     pad_to_multiple_of: int | None = None
     # ---- pretraining only (launch/pretrain.py; SFT ignores these) ----
@@ -193,6 +199,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # How MDLMPE attention is computed on this run (passed to DiffusionLM, never saved in the model).
+    attention: AttentionImpl = field(default_factory=AttentionImpl)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> RunConfig:
@@ -208,8 +216,16 @@ class RunConfig:
 
             if not looks_like_hub_id(m.model_name_or_path):
                 raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
-        if not isinstance(m.mdlmpe, dict):
-            raise bad("model.mdlmpe", m.mdlmpe, "must be a mapping of MDLMPEConfig keys")
+        if not isinstance(m.mdlmpe, MDLMPEConfig):
+            raise bad("model.mdlmpe", m.mdlmpe, "must be an MDLMPEConfig")
+        try:
+            self.mdlmpe_config().validate()
+        except ValueError as err:
+            raise ValueError(f"training config: model.mdlmpe: {err}") from err
+        try:
+            self.attention.validate()
+        except ValueError as err:
+            raise ValueError(f"training config: {err}") from err
         if m.lora is not None:
             from mdlmpe_ds.lora_spec import parse
 
@@ -304,6 +320,13 @@ class RunConfig:
             )
         return self
 
+    def mdlmpe_config(self) -> MDLMPEConfig:
+        """model.mdlmpe with L_ref = data.max_len unless set (not validated)."""
+        mdlmpe = self.model.mdlmpe
+        if mdlmpe.max_seq_len != FOLLOW_MODEL:
+            return mdlmpe
+        return dataclasses.replace(mdlmpe, max_seq_len=self.data.max_len)
+
     @property
     def lr(self) -> float:
         """The peak learning rate: optim.lr, else 3e-3 for presets and 1e-5 for pretrained models."""
@@ -327,7 +350,7 @@ class RunConfig:
         return config
 
 
-SECTIONS = ("model", "data", "optim", "train")
+SECTIONS = ("model", "data", "optim", "train", "attention")
 KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 
@@ -350,12 +373,15 @@ def valid_keys() -> list[str]:
 
 
 def _section_type(section: str) -> type:
-    return {"model": ModelChoice, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}[section]
+    types_ = {"model": ModelChoice, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+    return {**types_, "attention": AttentionImpl}[section]
 
 
 def resolve_key(key: str, source: str) -> tuple[str, str]:
     """'optim.lr' or 'lr' -> ('optim', 'lr'); unknown or ambiguous keys raise listing valid keys."""
     key = KEY_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+    if key.startswith("model.mdlmpe."):  # one MDLMPE method key
+        return "model", key.removeprefix("model.")
     if "." in key:
         section, name = key.split(".", 1)
         if section in SECTIONS and name in {f.name for f in fields(_section_type(section))}:
@@ -428,12 +454,25 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], source: str) -
 
             target.lora = from_mapping(value, f"{source}: model.lora").text()
             continue
-        if section == "model" and name == "mdlmpe":
-            merged = dict(target.mdlmpe)
-            merged.update(coerce(value, dict[str, Any], f"{section}.{name}", source))
-            target.mdlmpe = merged
+        if section == "model" and name.startswith("mdlmpe"):
+            changes = {name.removeprefix("mdlmpe."): value} if "." in name else None
+            if changes is None:
+                changes = coerce(value, dict[str, Any], "model.mdlmpe", source)
+            target.mdlmpe = _updated_mdlmpe(target.mdlmpe, changes, source)
             continue
         setattr(target, name, coerce(value, _field_type(section, name), f"{section}.{name}", source))
+
+
+def _updated_mdlmpe(mdlmpe: MDLMPEConfig, changes: dict[str, Any], source: str) -> MDLMPEConfig:
+    """``mdlmpe`` with ``changes`` applied, each value converted to its field's type; a moved key
+    (backend, block_size, ...) says where it went, an unknown one lists the known keys."""
+    try:
+        MDLMPEConfig.check_keys(changes)
+    except ValueError as err:
+        raise ValueError(f"{source}: model.mdlmpe: {err}") from err
+    hints = typing.get_type_hints(MDLMPEConfig)
+    typed = {k: coerce(v, hints[k], f"model.mdlmpe.{k}", source) for k, v in changes.items()}
+    return dataclasses.replace(mdlmpe, **typed)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -497,7 +536,11 @@ _KEY_HELP = {
     "model.mask_token_id": "preset mask id; None: the tokenizer's mask token, else the preset's own",
     "model.eos_token_id": "preset EOS id; None: the tokenizer's",
     "model.pad_token_id": "preset pad id; None: the EOS id",
-    "model.mdlmpe": 'MDLMPE knobs as JSON, e.g. \'{"backend": "reference", "tau_max": 0.2}\'',
+    "model.mdlmpe": "MDLMPE knobs as JSON, e.g. '{\"tau_max\": 0.2}'",
+    "attention.backend": "MDLMPE attention: auto (triton on CUDA, else blocked), reference, blocked, triton",
+    "attention.query_block": "query rows per block of the blocked MDLMPE attention",
+    "attention.tile": "Triton kernel tile (power of 2, <= 64); None: chosen per GPU",
+    "attention.compile": "run the blocked MDLMPE attention through torch.compile (same numbers)",
     "model.gradient_checkpointing": "activation checkpointing per layer",
     "data.dataset": "chat data: 'chat-demo', a .json/.jsonl/.parquet file, a directory, a hub name[:config]",
     "data.tokenizer": "tokenizer directory or hub id; None: the model's (or the demo's)",

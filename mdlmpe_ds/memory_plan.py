@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, configured_chunk
 
@@ -42,35 +43,33 @@ FP32 = 4
 
 
 # ------------------------------------------------------------------------------ activation model
-def _backend_on(cfg: ModelConfig, device: str) -> ModelConfig:
-    """``cfg`` with the MDLMPE backend ``auto`` resolved as it runs on ``device``: the fused Triton
+def _backend_on(impl: AttentionImpl, device: str) -> AttentionImpl:
+    """``impl`` with the backend ``auto`` resolved as it runs on ``device``: the fused Triton
     kernel on a GPU, the blocked path on the CPU (attention/__init__.py)."""
-    if cfg.position_encoding != "mdlmpe" or cfg.mdlmpe.backend != "auto":
-        return cfg
-    backend = "triton" if device.startswith("cuda") else "blocked"
-    return dataclasses.replace(cfg, mdlmpe=dataclasses.replace(cfg.mdlmpe, backend=backend))
+    if impl.backend != "auto":
+        return impl
+    return dataclasses.replace(impl, backend="triton" if device.startswith("cuda") else "blocked")
 
 
-def _bytes_per_token_attention_kept(cfg: ModelConfig, p: int) -> float:
+def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: int) -> float:
     """What the attention core keeps for backward when it runs outside the recomputed segment
     (``attention_outside_layer_checkpoint``), per token, besides q, k, v and its output."""
     hq = cfg.num_heads * cfg.head_dim
     hkv = cfg.num_kv_heads * cfg.head_dim
-    backend = cfg.mdlmpe.backend
-    if backend == "triton":
-        # saves q, k, v, out (already counted) and the per-row max and sum, fp32 per query head
-        return 2 * FP32 * cfg.num_heads
-    # blocked with per-block checkpointing: fp32 copies of q, k, v (the pair path runs in fp32;
-    # the same tensors as q, k, v when they are fp32 already) and the [2, |M|] pair slices of k
-    # twice (ka, kb), held by the blocks' recompute closures
+    stats = 2 * FP32 * cfg.num_heads  # the per-row max and log-sum of the softmax, fp32 per query head
+    if impl.backend == "triton":
+        return stats  # and q, k, v, out (already counted)
+    # blocked: fp32 copies of q, k, v (the pair path runs in fp32; the same tensors as q, k, v when
+    # they are fp32 already), each block's fp32 output and softmax statistics, the key dims of the
+    # MDLMPE pairs (k1, k2) and A, D transposed, made contiguous: what every block saves
     pairs = len(range(1, cfg.head_dim // 2, 2))
-    copies = 0 if p == FP32 else FP32 * (hq + 2 * hkv)
-    pair_slices = 2 * 2 * pairs * cfg.num_kv_heads * FP32
-    return copies + pair_slices
+    copies = (0 if p == FP32 else FP32 * (hq + 2 * hkv)) + FP32 * hq
+    pair_slices = 2 * pairs * cfg.num_kv_heads * FP32 + 2 * (cfg.head_dim // 2) * FP32
+    return copies + pair_slices + stats
 
 
 def layer_activation_bytes(
-    cfg: ModelConfig, p: int, batch: int, length: int, device: str = "cpu"
+    cfg: ModelConfig, p: int, batch: int, length: int, device: str = "cpu", impl: AttentionImpl | None = None
 ) -> dict[str, float]:
     """Bytes per token of one layer, activations in ``p`` bytes per element (2 bf16, 4 fp32), on
     [batch, length]:
@@ -85,9 +84,10 @@ def layer_activation_bytes(
     Counted from the code (models/transformer.py, models/layers.py, pe/rope.py, attention/*) as
     two segments, like the layer's ``checkpointed`` form: ``project`` (norm, q, k, v, rotary) and
     ``finish`` (o_proj, residual, norm, SwiGLU), around the attention. Backward runs the MLP part
-    first (its gradients are the widest), then the attention with its pair working set.
+    first (its gradients are the widest), then the attention with its pair working set. ``impl``:
+    how the MDLMPE attention runs (default ``AttentionImpl()``).
     """
-    cfg = _backend_on(cfg, device)
+    impl = _backend_on(impl or AttentionImpl(), device)
     d, m = cfg.hidden_size, cfg.intermediate_size
     hq = cfg.num_heads * cfg.head_dim
     hkv = cfg.num_kv_heads * cfg.head_dim
@@ -103,7 +103,9 @@ def layer_activation_bytes(
     project = norm + qkv + rotary
     mdlmpe = cfg.position_encoding == "mdlmpe"
     if mdlmpe:  # the output and what the backend keeps
-        attention = p * hq + _bytes_per_token_attention_kept(cfg, p) + _pair_bytes_saved(cfg, length)
+        attention = (
+            p * hq + _bytes_per_token_attention_kept(cfg, impl, p) + _pair_bytes_saved(cfg, impl, length)
+        )
     else:  # SDPA: output, log-sum-exp; GQA: k, v repeated to every query head
         attention = p * hq + FP32 * cfg.num_heads + (2 * p * hq if cfg.num_kv_heads != cfg.num_heads else 0)
     # o_proj input (heads merged: a copy), the residual h, norm, SwiGLU gate, silu, up, product, output
@@ -113,14 +115,14 @@ def layer_activation_bytes(
     # attention's output, q, k, v and input gradients (blocked MDLMPE: also fp32 ones of q, k, v)
     grads_mlp = p * (2 * m + d)
     grads_attention = p * (2 * hq + 2 * hkv + d)
-    if mdlmpe and cfg.mdlmpe.backend != "triton":
+    if mdlmpe and impl.backend != "triton":
         grads_attention += FP32 * (hq + 2 * hkv)
-    transient = attention_transient_bytes(cfg, batch, length, device) / (batch * length)
+    transient = attention_transient_bytes(cfg, batch, length, device, impl) / (batch * length)
     attention_phase = grads_attention + transient
     if not cfg.gradient_checkpointing:
         kept = full
         peak = max(full + grads_mlp, project + attention + attention_phase)
-    elif cfg.attention_outside_layer_checkpoint:
+    elif cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors):
         # layer input, rotated q, k, v (first segment's outputs), the attention output (second
         # segment's input) and what the attention core keeps; one segment recomputed at a time
         kept = p * d + qkv + attention
@@ -131,19 +133,17 @@ def layer_activation_bytes(
     return {"kept": float(kept), "full": float(full), "peak": float(peak), "transient": float(transient)}
 
 
-def _pair_bytes_saved(cfg: ModelConfig, length: int) -> float:
-    """Per token: the O(L) pair tensors a layer keeps when its MDLMPE attention saves them (blocked
-    without per-block checkpointing, the reference path): ~8 fp32 [|M|] (reference: [F]) values per
-    (i, j), fitted to measured layers at L = 128, 256."""
-    m, pairs = cfg.mdlmpe, cfg.head_dim // 2
-    if m.backend == "reference":
-        return float(FP32 * 8 * pairs * length)
-    if m.backend == "blocked" and not m.checkpoint_blocks:
-        return float(FP32 * 8 * len(range(1, pairs, 2)) * length)
+def _pair_bytes_saved(cfg: ModelConfig, impl: AttentionImpl, length: int) -> float:
+    """Per token: the O(L) pair tensors a layer keeps when its MDLMPE attention saves them (the
+    reference path): ~8 fp32 [F] values per (i, j), fitted to measured layers at L = 128, 256."""
+    if impl.keeps_pair_tensors:
+        return float(FP32 * 8 * (cfg.head_dim // 2) * length)
     return 0.0
 
 
-def attention_transient_bytes(cfg: ModelConfig, batch: int, length: int, device: str = "cpu") -> float:
+def attention_transient_bytes(
+    cfg: ModelConfig, batch: int, length: int, device: str = "cpu", impl: AttentionImpl | None = None
+) -> float:
     """Working memory of one layer's attention beyond the per-token terms (transient, one layer at
     a time): the blocked MDLMPE path's fp32 pair tensors of one query block of C rows, about 12
     [B, C, |M|, L] fp32 tensors at the peak of its backward (alpha, beta, their gradients, the
@@ -152,17 +152,16 @@ def attention_transient_bytes(cfg: ModelConfig, batch: int, length: int, device:
     token (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
-    m = cfg.mdlmpe
+    impl = _backend_on(impl or AttentionImpl(), device)
     pairs = cfg.head_dim // 2
-    if m.backend == "triton" or _pair_bytes_saved(cfg, length):  # on chip, or saved (counted there)
+    if impl.backend == "triton" or _pair_bytes_saved(cfg, impl, length):  # on chip, or saved (counted there)
         return 0.0
     from mdlmpe_ds.attention.blocked import eager_block_rows
 
-    rows = m.block_size
-    if not m.compile:
-        rows = eager_block_rows(
-            m.block_size, batch, length, pairs, m.hidden_width(pairs), cfg.num_heads, device
-        )
+    rows = impl.query_block
+    if not impl.compile:
+        hidden = cfg.mdlmpe.hidden_width(pairs)
+        rows = eager_block_rows(impl.query_block, batch, length, pairs, hidden, cfg.num_heads, device)
     return float(batch * min(rows, length) * length * FP32 * 12 * len(range(1, pairs, 2)))
 
 
@@ -226,6 +225,7 @@ def plan_memory(
     length: int,
     scored_fraction: float = 1.0,
     head_chunk: int | None = None,
+    impl: AttentionImpl | None = None,
     trainable_params: int | None = None,
     extra_params: int = 0,
 ) -> MemoryPlan:
@@ -233,10 +233,11 @@ def plan_memory(
     offload sections, buckets) on ``world`` GPUs, ``micro_batch`` sequences of ``length`` tokens.
     ``scored_fraction``: share of tokens in the loss (masked); 1.0 is the worst case.
     ``head_chunk``: rows per LM-head chunk (default: what training uses, ``configured_chunk()``).
+    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``).
     LoRA (mdlmpe_ds/lora.py): ``extra_params`` adapter elements are added to the parameters, and
     gradients and optimizer states are those of ``trainable_params`` only (default: all)."""
     head_chunk = head_chunk or configured_chunk()
-    cfg = _backend_on(cfg, "cuda")  # a plan per GPU
+    impl = _backend_on(impl or AttentionImpl(), "cuda")  # a plan per GPU
     if world < 1 or micro_batch < 1 or length < 1:
         raise ValueError(
             f"memory plan needs world, micro-batch and L >= 1; got {world}, {micro_batch}, {length}"
@@ -288,12 +289,14 @@ def plan_memory(
     )
     plan.items.append(("gradient reduce bucket", reduce * p, f"reduce_bucket_size {reduce:,.0f}"))
     tokens = micro_batch * length
-    per_layer = layer_activation_bytes(cfg, p, micro_batch, length, device="cuda")
+    per_layer = layer_activation_bytes(cfg, p, micro_batch, length, device="cuda", impl=impl)
     how = (
         "no checkpointing"
         if not cfg.gradient_checkpointing
         else (
-            "attention outside the checkpoint" if cfg.attention_outside_layer_checkpoint else "layer inputs"
+            "attention outside the checkpoint"
+            if cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors)
+            else "layer inputs"
         )
     )
     plan.items.append(
@@ -303,7 +306,7 @@ def plan_memory(
             f"{per_layer['kept'] / 1024:.1f} KB/token/layer x {cfg.num_layers - 1} layers ({how})",
         )
     )
-    backend = cfg.mdlmpe.backend if cfg.position_encoding == "mdlmpe" else "sdpa"
+    backend = impl.backend if cfg.position_encoding == "mdlmpe" else "sdpa"
     plan.items.append(
         (
             "layer in backward (peak)",
@@ -372,7 +375,9 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def measure_layer(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> dict[str, float]:
+def measure_layer(
+    cfg: ModelConfig, batch: int, length: int, seed: int = 0, impl: AttentionImpl | None = None
+) -> dict[str, float]:
     """One real transformer layer of ``cfg`` (fp32, CPU, training mode, checkpointing as in
     ``cfg``) on [batch, length]: bytes per token of the tensors it keeps after forward (``kept``,
     the layer output standing in for the input it holds) and the peak of live tensors during its
@@ -382,7 +387,8 @@ def measure_layer(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> d
     from mdlmpe_ds.pe.rope import rotary_angles
 
     torch.manual_seed(seed)
-    block = Block(cfg).train()
+    impl = impl or AttentionImpl()
+    block = Block(cfg, impl=impl).train()
     ctx = LayerContext()
     ids = torch.randint(0, cfg.vocab_size, (batch, length))
     ids[:, ::3] = cfg.mask_token_id
@@ -405,7 +411,7 @@ def measure_layer(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> d
         p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
     with tracker:
         if cfg.gradient_checkpointing:
-            y = block.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint)
+            y = block.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors))
         else:
             y = block(x, ctx)
         kept = tracker.current

@@ -1,11 +1,11 @@
-"""MDLMPE attention backends, chosen by ``MDLMPEConfig.backend`` and checked when resolved.
+"""MDLMPE attention backends, chosen by the run's :class:`AttentionImpl` and checked when resolved.
 
 - ``auto`` (the default): ``triton`` for CUDA tensors, ``blocked`` for any other device (the CPU);
   the choice is made per call from the tensors' device (:func:`choose_backend`) and logged once
   per (device type, backend).
 - ``reference``: materialises the pair tensor; the spec (tests, tiny inputs).
 - ``blocked``: query blocks of C rows, O(C L F) extra memory, per-block recomputation (eager or
-  compiled as ``compile`` says); the CPU path.
+  compiled as ``compile`` says); the CPU path (attention/blocked.py, maths in blocked_math.py).
 - ``triton``: fused GPU kernel (needs triton and CUDA tensors, or TRITON_INTERPRET=1 in tests).
 
 No silent fallback: a backend that cannot run here raises with the reason (``auto`` on a GPU
@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from mdlmpe_ds.attention.common import rope_attention
-from mdlmpe_ds.pe.config import ATTENTION_BACKENDS, MDLMPEConfig
+from mdlmpe_ds.attention.impl import ATTENTION_BACKENDS, AttentionImpl
+from mdlmpe_ds.pe.config import MDLMPEConfig
 from mdlmpe_ds.pe.phase import PhaseParams
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -78,23 +79,24 @@ def mdlmpe_attention(
     D: torch.Tensor,
     phase: PhaseParams,
     config: MDLMPEConfig,
+    impl: AttentionImpl,
     *,
     active_kv: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """MDLMPE attention through the configured backend. With no active head it is plain RoPE SDPA."""
+    """MDLMPE attention (the maths of ``config``) through the backend of ``impl``. With no active
+    head it is plain RoPE SDPA."""
     if active_kv is not None and not bool(active_kv.any()):
         return rope_attention(q, k, v, key_valid, scale)
-    backend = choose_backend(config.backend, q.device, A.requires_grad or D.requires_grad)
+    backend = choose_backend(impl.backend, q.device, A.requires_grad or D.requires_grad)
     fn = resolve_backend(backend)
     kwargs = {}
     if backend == "triton":
-        kwargs["block_size"] = config.triton_tile
+        kwargs["block_size"] = impl.tile
     if backend == "blocked":
-        kwargs["block_size"] = config.block_size
-        kwargs["checkpoint"] = config.checkpoint_blocks
-        kwargs["compile"] = config.compile
+        kwargs["block_size"] = impl.query_block
+        kwargs["compile"] = impl.compile
     return fn(
         q,
         k,
@@ -111,4 +113,4 @@ def mdlmpe_attention(
     )
 
 
-__all__ = ["choose_backend", "mdlmpe_attention", "resolve_backend", "rope_attention"]
+__all__ = ["AttentionImpl", "choose_backend", "mdlmpe_attention", "resolve_backend", "rope_attention"]

@@ -1,4 +1,5 @@
-"""Pieces shared by every attention path: GQA expansion, the key-padding bias, plain RoPE SDPA.
+"""Pieces shared by every attention path: input checks, GQA expansion, the key-padding bias, plain
+RoPE SDPA and SDPA with the ALiBi bias.
 
 Conventions (all paths): q [B, Hq, L, d_h] and k, v [B, Hkv, L, d_h] are already RoPE-rotated;
 ``key_valid`` [B, L] is True where a key may be attended. Masked keys get an additive
@@ -12,6 +13,50 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
+
+from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
+
+
+def check_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    active_kv: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    block_size: int,
+) -> None:
+    """Raise a ValueError naming attention path ``name`` and the first argument whose shape does
+    not fit q [B, Hq, L, d_h], k, v [B, Hkv, L, d_h], A, D [B, L, F], the phase MLP of F pairs,
+    ``active_kv`` [Hkv], ``key_valid`` [B, L], or a ``block_size`` below 1."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+            "expected q [B, Hq, L, d_h] and k, v [B, Hkv, L, d_h]"
+        )
+    batch, num_heads, length, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, length, head_dim) or num_heads % k.shape[1]:
+        raise ValueError(
+            f"{name}: k {tuple(k.shape)} does not fit q {tuple(q.shape)} (GQA needs Hq a multiple of Hkv)"
+        )
+    num_pairs = head_dim // 2
+    if A.shape != (batch, length, num_pairs) or D.shape != A.shape:
+        expected = (batch, length, num_pairs)
+        raise ValueError(f"{name}: A {tuple(A.shape)}, D {tuple(D.shape)}; expected {expected}")
+    if phase.w2.shape[0] != len(mdlmpe_pairs(num_pairs)) or phase.w1.shape[1] != num_pairs:
+        raise ValueError(
+            f"{name}: phase MLP w1 {tuple(phase.w1.shape)}, w2 {tuple(phase.w2.shape)} "
+            f"do not fit F={num_pairs}"
+        )
+    if active_kv is not None and active_kv.shape != (k.shape[1],):
+        raise ValueError(f"{name}: active_kv {tuple(active_kv.shape)}, expected ({k.shape[1]},)")
+    if key_valid is not None and key_valid.shape != (batch, length):
+        raise ValueError(f"{name}: key_valid {tuple(key_valid.shape)}, expected {(batch, length)}")
+    if block_size < 1:
+        raise ValueError(f"{name}: block_size must be >= 1, got {block_size}")
 
 
 def repeat_kv(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
@@ -85,3 +130,14 @@ def rope_attention(
         if not bool(has_key.all()):
             q = q * has_key[:, None, None, None].to(q.dtype)
     return grouped_sdpa(q, k, v, bias, scale)
+
+
+def alibi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Bidirectional SDPA with the ALiBi bias of ``pe.alibi.alibi_bias`` (fp32 [B|1, H, L, L]).
+    q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated). [B, Hq, L, d].
+
+    The fp32 bias is clamped to q's dtype range before the cast: finfo(float32).min on padded keys
+    would become -inf in bf16 / fp16 (NaN rows)."""
+    return grouped_sdpa(q, k, v, bias.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale)

@@ -33,7 +33,7 @@ def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
 
     step_dir = ckpt.resolve_checkpoint(path)
     saved = ckpt.read_saved_run(step_dir)
-    config = ModelConfig.from_dict(saved.model_config)
+    config = ModelConfig.from_dict(saved.model_config, stored=True)
     config.gradient_checkpointing = False
     model = DiffusionLM(config)
     reference = model.state_dict()

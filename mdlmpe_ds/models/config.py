@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mdlmpe_ds.pe.config import MDLMPEConfig
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, drop_moved_keys
 
 FAMILIES = ("llada", "dream")
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
@@ -40,10 +40,10 @@ class ModelConfig:
     eos_token_id: int = 126081
     pad_token_id: int = 126081
     position_encoding: str = "rope"
-    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=-1))
+    mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
     gradient_checkpointing: bool = False
     # With gradient_checkpointing and an MDLMPE attention that manages its own memory (the blocked
-    # backend with checkpoint_blocks, or triton), the layer checkpoint leaves the attention out:
+    # and triton backends: every one but the reference), the layer checkpoint leaves the attention out:
     # its rotated q, k, v and its output are kept (~2 (Hq + Hkv) d_h values per token and layer)
     # and backward does not run the attention forward a second time (it is the costliest part of
     # the layer: 3 region-1 passes per block become 2). True recomputes it with the layer instead.
@@ -53,7 +53,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.mdlmpe, dict):
             self.mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": self.max_seq_len, **self.mdlmpe})
-        elif self.mdlmpe.max_seq_len == -1:  # the default factory's "not given": follow the model
+        elif self.mdlmpe.max_seq_len == FOLLOW_MODEL:  # "not given": follow the model
             self.mdlmpe.max_seq_len = self.max_seq_len
 
     # --- what the family decides (MODELS.md "Implications") ---
@@ -85,13 +85,15 @@ class ModelConfig:
     def uses_rotary(self) -> bool:
         return self.position_encoding in ("rope", "mdlmpe")
 
-    @property
-    def attention_outside_layer_checkpoint(self) -> bool:
+    def attention_outside_layer_checkpoint(self, keeps_pair_tensors: bool) -> bool:
         """Whether layer checkpointing keeps the attention out of its recomputed segment (see
-        ``recompute_mdlmpe_attention``): only for MDLMPE paths whose memory is already O(C L) or O(L)."""
-        m = self.mdlmpe
-        self_managed = m.backend == "triton" or (m.backend in ("blocked", "auto") and m.checkpoint_blocks)
-        return self.position_encoding == "mdlmpe" and self_managed and not self.recompute_mdlmpe_attention
+        ``recompute_mdlmpe_attention``): only for MDLMPE attention whose memory is already O(C L) or
+        O(L), i.e. whose implementation does not keep its pair tensors (AttentionImpl.keeps_pair_tensors)."""
+        return (
+            self.position_encoding == "mdlmpe"
+            and not keeps_pair_tensors
+            and not self.recompute_mdlmpe_attention
+        )
 
     def validate(self) -> ModelConfig:
         def bad(key: str, why: str) -> ValueError:
@@ -146,12 +148,16 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, data: dict[str, Any], stored: bool = False) -> ModelConfig:
+        """A validated config from ``data``. ``stored``: ``data`` was written by a checkpoint or an
+        export, whose MDLMPE block may still hold attention-implementation keys: they are dropped
+        (pe.config.MOVED_KEYS); in a new config they are an error saying where they moved."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"model config: unknown keys {unknown}; known keys are {sorted(known)}")
         data = dict(data)
         if isinstance(data.get("mdlmpe"), dict):
-            data["mdlmpe"] = MDLMPEConfig.from_dict(data["mdlmpe"])
+            mdlmpe = drop_moved_keys(data["mdlmpe"]) if stored else data["mdlmpe"]
+            data["mdlmpe"] = MDLMPEConfig.from_dict(mdlmpe)
         return cls(**data).validate()

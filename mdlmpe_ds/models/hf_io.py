@@ -27,10 +27,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
 from mdlmpe_ds.models.transformer import DiffusionLM, _is_mdlmpe_name
-from mdlmpe_ds.pe.config import MDLMPEConfig
+from mdlmpe_ds.pe.config import MDLMPEConfig, drop_moved_keys
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -136,7 +137,8 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str = CONFIG_NAME, **over
     mdlmpe = project.pop("mdlmpe", None)
     values.update(project)
     values.update(overrides)
-    mdlmpe_values = dict(mdlmpe or {})
+    # An older export's block may hold attention-implementation keys (a run-time choice now): dropped.
+    mdlmpe_values = drop_moved_keys(dict(mdlmpe or {}))
     if isinstance(values.get("mdlmpe"), MDLMPEConfig):
         mdlmpe_cfg = values.pop("mdlmpe")
     else:
@@ -356,16 +358,18 @@ def load_pretrained(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    impl: AttentionImpl | None = None,
     **overrides: Any,
 ) -> DiffusionLM:
-    """Build the model described by ``path``/config.json (+ ``overrides``) and load its weights.
+    """Build the model described by ``path``/config.json (+ ``overrides``) and load its weights;
+    ``impl``: how its MDLMPE attention runs (default ``AttentionImpl()``).
 
     The model is built on the meta device and materialised uninitialised (no random init of 8B
     parameters, one allocation in the target dtype); the strict check guarantees every backbone
     tensor is then overwritten, and absent MDLMPE parameters get their SPEC §2 values.
     """
     config = read_hf_config(path, **overrides)
-    model = DiffusionLM(config, device="meta")
+    model = DiffusionLM(config, device="meta", impl=impl)
     if dtype is not None:
         model.to(dtype)
     model.to_empty(device=device if device is not None else "cpu")

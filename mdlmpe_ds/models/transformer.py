@@ -5,6 +5,9 @@ a final RMSNorm and an (optionally tied) LM head; attention is never causal. Wha
 the families comes from ``ModelConfig`` properties: q/k/v biases (Dream), the logit shift (Dream),
 fp32 RoPE (LLaDA), the embedding padding row (Dream), and GQA via ``num_kv_heads``.
 
+How MDLMPE attention is computed (backend, block sizes, compile) is an :class:`AttentionImpl`
+passed at build, not part of ``ModelConfig``: every implementation computes the same function.
+
 Module names here are the project's own (``embed.tokens``, ``layers.N.attn.q_proj``, ...);
 ``mdlmpe_ds.models.names`` maps them to the exact upstream checkpoint names.
 
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mdlmpe_ds.attention import mdlmpe_attention, rope_attention
+from mdlmpe_ds.attention import AttentionImpl, mdlmpe_attention, rope_attention
+from mdlmpe_ds.attention.common import alibi_attention
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.layers import (
     NormalEmbedding,
@@ -42,7 +46,7 @@ from mdlmpe_ds.models.scored_head import (
     scored_source_columns,
 )
 from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
-from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
+from mdlmpe_ds.pe.alibi import alibi_bias
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
 from mdlmpe_ds.pe.phase import PhaseMLP
 from mdlmpe_ds.pe.rope import apply_rotary, rotary_angles
@@ -76,9 +80,10 @@ class LayerContext:
 class Attention(nn.Module):
     """Bidirectional multi-head / grouped-query attention with the configured position encoding."""
 
-    def __init__(self, config: ModelConfig, device=None) -> None:
+    def __init__(self, config: ModelConfig, device=None, impl: AttentionImpl | None = None) -> None:
         super().__init__()
         self.config = config
+        self.impl = impl if impl is not None else AttentionImpl()
         d, hd, std = config.hidden_size, config.head_dim, config.init_std
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.q_proj = NormalLinear(d, config.num_heads * hd, config.qkv_bias, std, device)
@@ -131,6 +136,7 @@ class Attention(nn.Module):
                 ctx.features.D,
                 self.phase.params(),
                 self.config.mdlmpe,
+                self.impl,
                 active_kv=None if self._all_active else self.active_kv,
                 key_valid=ctx.key_valid,
             )
@@ -149,10 +155,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (LLaDA ``LLaDALlamaBlock`` / Qwen2 decoder layer, without the mask)."""
 
-    def __init__(self, config: ModelConfig, device=None) -> None:
+    def __init__(self, config: ModelConfig, device=None, impl: AttentionImpl | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.attn = Attention(config, device)
+        self.attn = Attention(config, device, impl)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = SwiGLU(config, device)
 
@@ -223,16 +229,28 @@ class InputEmbedding(nn.Module):
 
 
 class DiffusionLM(nn.Module):
-    """LLaDA / Dream masked diffusion LM (module docstring: layout, family differences, ZeRO-3 notes)."""
+    """LLaDA / Dream masked diffusion LM (module docstring: layout, family differences, ZeRO-3 notes).
 
-    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``: backend ``auto``); see
+    :meth:`set_attention_impl` to change it on a built model."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str | None = None, impl: AttentionImpl | None = None
+    ) -> None:
         super().__init__()
         self.config = config.validate()
+        self.impl = (impl if impl is not None else AttentionImpl()).validate()
         self.embed = InputEmbedding(config, device)
-        self.layers = nn.ModuleList(Block(config, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, device, self.impl) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.lm_head = NormalLinear(config.hidden_size, config.vocab_size, False, config.init_std, device)
         self.tie_weights()
+
+    def set_attention_impl(self, impl: AttentionImpl) -> None:
+        """Run the MDLMPE attention of every layer through ``impl`` from now on (same numbers)."""
+        self.impl = impl.validate()
+        for layer in self.layers:
+            layer.attn.impl = self.impl
 
     def tie_weights(self) -> None:
         """With tied embeddings, one Parameter object serves the input table and the LM head (also
@@ -299,9 +317,10 @@ class DiffusionLM(nn.Module):
             ctx.cos, ctx.sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, L, F]
         if cfg.position_encoding == "alibi":
             ctx.alibi = alibi_bias(length, cfg.num_heads, key_valid, input_ids.device)  # [B|1, H, L, L]
+        around_attention = cfg.attention_outside_layer_checkpoint(self.impl.keeps_pair_tensors)
         for layer in self.layers:
             if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = layer.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint)
+                x = layer.checkpointed(x, ctx, around_attention)
             else:
                 x = layer(x, ctx)
         if scored is not None:

@@ -3,14 +3,13 @@
 Head h adds -m_h * |i - j| to the attention score of query i and key j, with the geometric slopes
 m_h = 2^(-8 (h+1) / H) for a power-of-two head count H, and for other H the standard interleaving:
 the slopes of the nearest lower power of two n, followed by every other slope of 2n. No rotary
-embedding is applied when ALiBi is selected.
+embedding is applied when ALiBi is selected. The attention that adds this bias is
+:func:`mdlmpe_ds.attention.common.alibi_attention`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from mdlmpe_ds.attention.common import grouped_sdpa
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -41,13 +40,3 @@ def alibi_bias(
         invalid = ~key_valid.bool()[:, None, None, :]  # [B, 1, 1, L]
         bias = bias.masked_fill(invalid, torch.finfo(torch.float32).min)
     return bias
-
-
-def alibi_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Bidirectional SDPA with the ALiBi bias. q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated).
-
-    The fp32 bias is clamped to q's dtype range before the cast: finfo(float32).min on padded keys
-    would become -inf in bf16 / fp16 (NaN rows)."""
-    return grouped_sdpa(q, k, v, bias.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale)

@@ -7,18 +7,46 @@ tested without the trainer's configuration tree; the trainer's ``ModelConfig`` e
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 COORDINATES = ("sine", "mlp", "none")
-# "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
-# call from the tensors' device and logged (attention.choose_backend).
-ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton")
+# max_seq_len "not given": L_ref follows the length of the model (ModelConfig) or run (RunConfig).
+FOLLOW_MODEL = -1
+
+# Keys this config once had that say how the attention is computed, not what it computes; they
+# moved to the run's attention section (mdlmpe_ds.attention.impl.AttentionImpl). None: removed
+# (every block now recomputes its pair tensors). A new config naming one is an error that says
+# where it went; configs stored by older checkpoints and exports drop them (drop_moved_keys).
+MOVED_KEYS = {
+    "backend": "attention.backend",
+    "block_size": "attention.query_block",
+    "triton_tile": "attention.tile",
+    "compile": "attention.compile",
+    "checkpoint_blocks": None,
+}
 
 
-# How the attention is computed, not what it computes (every backend gives the spec's numbers): a
-# run may resume from a checkpoint with other values (checkpoint.check_same_model).
-IMPLEMENTATION_KEYS = ("backend", "block_size", "triton_tile", "compile", "checkpoint_blocks")
+def drop_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a stored MDLMPE config) without the keys of MOVED_KEYS: what an old checkpoint or
+    exported model stored there is a run-time choice, and the model is the same without it."""
+    return {k: v for k, v in data.items() if k not in MOVED_KEYS}
+
+
+def _moved_key_error(key: str) -> ValueError:
+    where = MOVED_KEYS[key]
+    if where is None:
+        return ValueError(
+            f"mdlmpe config: {key!r} is gone: the blocked attention always recomputes each block's "
+            "pair tensors in backward; remove the key"
+        )
+    flag = where.split(".", 1)[1]
+    return ValueError(
+        f"mdlmpe config: {key!r} is not a model key any more: how the attention runs is chosen per "
+        f"run; set {where} instead (--{where} on the command line, `attention: {{{flag}: ...}}` in a "
+        f"config file, or AttentionImpl({flag}=...) when building DiffusionLM)"
+    )
 
 
 @dataclass
@@ -49,17 +77,6 @@ class MDLMPEConfig:
     # (Appendix C "MLP instead of basis"); "none": c = 1 for every pair (binary/Gaussian only).
     coordinate: str = "sine"
     use_embedding: bool = True
-    # --- attention implementation ---
-    backend: str = "auto"
-    block_size: int = 128
-    # Query/key tile of the fused Triton kernel: a power of 2, at most 64 (on a GPU at least 16).
-    # None: the tile that fits the GPU for the head size and dtype
-    # (attention.triton.launch.launch_config). Separate from block_size, the blocked path's block.
-    triton_tile: int | None = None
-    # torch.compile the blocked path's two regions (a switch; eager gives the same numbers).
-    compile: bool = False
-    # Per-block activation checkpointing in the blocked path (recompute pair phases in backward).
-    checkpoint_blocks: bool = True
 
     def validate(self) -> MDLMPEConfig:
         def bad(key: str, why: str) -> ValueError:
@@ -83,13 +100,6 @@ class MDLMPEConfig:
             raise bad("phase_hidden", "must be >= 1 or None")
         if self.coordinate not in COORDINATES:
             raise bad("coordinate", f"must be one of {COORDINATES}")
-        if self.backend not in ATTENTION_BACKENDS:
-            raise bad("backend", f"must be one of {ATTENTION_BACKENDS}")
-        if self.block_size < 1:
-            raise bad("block_size", "must be >= 1")
-        tile = self.triton_tile
-        if tile is not None and not (1 <= tile <= 64 and tile & (tile - 1) == 0):
-            raise bad("triton_tile", "must be None (per GPU) or a power of 2 no larger than 64")
         return self
 
     @property
@@ -112,9 +122,20 @@ class MDLMPEConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
+    def check_keys(cls, keys: Iterable[str]) -> None:
+        """Raise for a key of MOVED_KEYS (saying where it went) or an unknown key (listing the known)."""
+        keys = list(keys)
+        for key in keys:
+            if key in MOVED_KEYS:
+                raise _moved_key_error(key)
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(keys) - known)
         if unknown:
             raise ValueError(f"mdlmpe config: unknown keys {unknown}; known keys are {sorted(known)}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
+        """A validated config from ``data``; a key of MOVED_KEYS is an error that says where it went
+        (read stored configs through :func:`drop_moved_keys` first)."""
+        cls.check_keys(data)
         return cls(**data).validate()

@@ -34,10 +34,9 @@ def model_config_for(run: RunConfig, tokenizer):
     import dataclasses
 
     from mdlmpe_ds.models.presets import preset
-    from mdlmpe_ds.pe.config import MDLMPEConfig
 
     m = run.model
-    mdlmpe = MDLMPEConfig.from_dict({"max_seq_len": run.data.max_len, **m.mdlmpe})
+    mdlmpe = run.mdlmpe_config().validate()
     common = {
         "position_encoding": m.position_encoding,
         "gradient_checkpointing": m.gradient_checkpointing,
@@ -196,7 +195,7 @@ def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):
     from mdlmpe_ds.models.transformer import DiffusionLM
 
     torch.manual_seed(run.train.seed)  # same initial weights on every rank
-    model = eng.build_model(lambda: DiffusionLM(model_config), ds_config, meta=dry_run)
+    model = eng.build_model(lambda: DiffusionLM(model_config, impl=run.attention), ds_config, meta=dry_run)
     if not dry_run:
         eng.init_mdlmpe_parameters(model)
         if run.model.model_name_or_path is not None:
@@ -227,7 +226,7 @@ def build_engine(
 
     memory = plan_memory(
         model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
-        **lora.memory_plan_kwargs(params),
+        impl=run.attention, **lora.memory_plan_kwargs(params),
     )  # fmt: skip
     plan += "\n" + memory.format()
     if dry_run:

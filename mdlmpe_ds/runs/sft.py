@@ -120,10 +120,10 @@ def run_sft(
         pad_to_multiple_of=run.data.pad_to_multiple_of,
         seed=t.seed,
     )
-    compiled = model_config.position_encoding == "mdlmpe" and model_config.mdlmpe.compile
+    compiled = model_config.position_encoding == "mdlmpe" and run.attention.compile
     if compiled and not run.data.pad_to_multiple_of and run.data.perbatch_cutoff == "none":
         log.warning(
-            "model.mdlmpe.compile with batches as wide as their longest row: every new width "
+            "attention.compile with batches as wide as their longest row: every new width "
             "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
         )
     engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.models.hf_io import save_pretrained
 
@@ -28,8 +29,8 @@ def _free_port() -> int:
 
 def test_zero3_partitioned_load_matches_unpartitioned(tmp_path):
     torch.manual_seed(0)
-    config = preset("dream-tiny", position_encoding="mdlmpe", mdlmpe={"backend": "blocked", "block_size": 4})
-    model = DiffusionLM(config).eval()
+    config = preset("dream-tiny", position_encoding="mdlmpe")
+    model = DiffusionLM(config, impl=AttentionImpl(backend="blocked", query_block=4)).eval()
     with torch.no_grad():
         for layer in model.layers:
             layer.attn.phase.fc2.weight.normal_(std=1.0)

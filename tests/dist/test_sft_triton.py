@@ -1,5 +1,5 @@
 """The fused Triton attention inside the real trainer: 2-rank ZeRO-3 SFT (gloo, CPU) with
-``--model.mdlmpe '{"backend": "triton"}'`` under TRITON_INTERPRET=1 gives the losses of the same
+``--attention.backend triton`` under TRITON_INTERPRET=1 gives the losses of the same
 run on the blocked backend.
 
 Both runs see the same data, noise and initial weights (same seed); only the attention
@@ -40,7 +40,7 @@ def data(sft_data):  # tests/dist/conftest.py
 
 def _run(data, out, backend: str) -> dict[int, dict]:
     args = [*data, *BASE_ARGS, "--output_dir", str(out), "--max_steps", str(UPDATES)]
-    args += ["--save_every", str(UPDATES), "--model.mdlmpe", f'{{"backend": "{backend}"}}']
+    args += ["--save_every", str(UPDATES), "--attention.backend", backend]
     check(launch(args, {"TRITON_INTERPRET": "1"}, timeout=600), f"{backend} SFT run")
     return metrics(out)
 

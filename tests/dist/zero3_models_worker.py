@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM
 from mdlmpe_ds.models.hf_io import load_weights_into, read_hf_config
 
@@ -32,7 +33,7 @@ DS_CONFIG = {
 def build(path: str, load: bool = True, **overrides) -> DiffusionLM:
     config = read_hf_config(path, **overrides)
     with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
-        model = DiffusionLM(config)
+        model = DiffusionLM(config, impl=AttentionImpl(backend="blocked", query_block=4))
     for module, param in model.zero3_external_parameters():
         deepspeed.zero.register_external_parameter(module, param)
     if load:
@@ -76,7 +77,7 @@ def main() -> None:
         engine.step()
         # 3. RoPE checkpoint into an MDLMPE model: absent MDLMPE parameters initialised per SPEC,
         #    and a model built under zero.Init without loading starts from the SPEC values too.
-        check_spec_init(build(rope_saved, position_encoding="mdlmpe", mdlmpe={"backend": "blocked"}))
+        check_spec_init(build(rope_saved, position_encoding="mdlmpe"))
         check_spec_init(build(rope_saved, load=False, position_encoding="mdlmpe"))
         print(f"rank {rank} OK max_err={err:.2e}", flush=True)
     finally:

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+from mdlmpe_ds.attention.common import alibi_attention
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.pe.absolute import LearnedPositionEmbedding
-from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias, alibi_slopes
+from mdlmpe_ds.pe.alibi import alibi_bias, alibi_slopes
 
 
 def test_slopes_are_press_et_al():

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mdlmpe_ds.attention import blocked, blocked_fused
-from mdlmpe_ds.attention.blocked import PairCoefficients, PairCorrection, blocked_attention, pair_correction
-from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.attention import blocked, blocked_math
+from mdlmpe_ds.attention.blocked import blocked_attention
+from mdlmpe_ds.attention.common import repeat_kv, rope_attention
 from mdlmpe_ds.attention.reference import reference_attention
 from mdlmpe_ds.pe.availability import availability, gaussian_taps, sine_basis, token_summaries
 from mdlmpe_ds.pe.heads import query_head_mask
@@ -101,18 +101,28 @@ def test_zero_phase_equals_rope():
 
 
 CASES = [
-    # (block_size, checkpoint, q_heads, kv_heads, active pattern or None, pad)
-    (4, True, 4, 2, None, True),  # C does not divide L = 11
-    (1, True, 4, 2, (True, False), True),  # C = 1, partial head mask
-    (11, False, 4, 4, (False, True, True, False), True),  # C = L, MHA
-    (32, True, 6, 2, (False, True), False),  # C > L, GQA 3:1
-    (3, False, 4, 1, None, True),  # one KV head for all queries
-    (5, True, 8, 4, (True, False, False, True), True),
+    # (block_size, q_heads, kv_heads, active pattern or None, pad)
+    (4, 4, 2, None, True),  # C does not divide L = 11
+    (1, 4, 2, (True, False), True),  # C = 1, partial head mask
+    (11, 4, 4, (False, True, True, False), True),  # C = L, MHA
+    (32, 6, 2, (False, True), False),  # C > L, GQA 3:1
+    (3, 4, 1, None, True),  # one KV head for all queries
+    (5, 8, 4, (True, False, False, True), True),
 ]
 
 
-@pytest.mark.parametrize(("block_size", "ckpt", "q_heads", "kv_heads", "pattern", "pad"), CASES)
-def test_matches_reference(block_size, ckpt, q_heads, kv_heads, pattern, pad):
+@pytest.fixture(params=["eager", "summed"])
+def layout(request, monkeypatch):
+    """Runs a test on the eager pieces and again on the pieces torch.compile wraps (region 2 in its
+    per-head-sums layout), uncompiled: their maths checked in milliseconds."""
+    if request.param == "summed":
+        monkeypatch.setattr(blocked, "EAGER", blocked_math.SUMMED)
+        monkeypatch.setattr(blocked_math, "KEY_CHUNK", 4)  # several key chunks in the k gradient
+    return request.param
+
+
+@pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "pattern", "pad"), CASES)
+def test_matches_reference(layout, block_size, q_heads, kv_heads, pattern, pad):
     """Forward and the gradients of q, k, v, every phase-MLP parameter (and A, D when they are
     differentiable) equal the spec's, for C dividing L or not, C = 1, C >= L, GQA, head masks."""
     q, k, v, A, D, valid = _inputs(q_heads=q_heads, kv_heads=kv_heads, pad=pad, seed=block_size)
@@ -127,8 +137,12 @@ def test_matches_reference(block_size, ckpt, q_heads, kv_heads, pattern, pad):
         A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
         leaves += [A, D]
     ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
-    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, checkpoint=ckpt, **kwargs)
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, **kwargs)
     torch.testing.assert_close(out, ref, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, **kwargs), ref, **TOL
+        )
     # The correction is not negligible: blocked differs from plain RoPE by far more than TOL.
     if pattern is None or any(pattern):
         assert (out - rope_attention(q, k, v, key_valid)).abs().max() > 1e-3
@@ -137,8 +151,7 @@ def test_matches_reference(block_size, ckpt, q_heads, kv_heads, pattern, pad):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
-@pytest.mark.parametrize("ckpt", [True, False])
-def test_eager_cache_slices_match_reference(monkeypatch, ckpt):
+def test_eager_cache_slices_match_reference(monkeypatch):
     """The eager path splits each block into cache-sized row slices (8 rows here: a 20-row block of
     L = 27 runs as 8 + 8 + 4, the last block as 7); forward and every gradient still equal the spec."""
     monkeypatch.setattr(blocked, "EAGER_SLICE_BYTES", 1)
@@ -150,7 +163,7 @@ def test_eager_cache_slices_match_reference(monkeypatch, ckpt):
     A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
     leaves = [q, k, v, *mlp.params(), A, D]
     ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
-    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=20, checkpoint=ckpt, **kwargs)
+    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=20, **kwargs)
     torch.testing.assert_close(out, ref, **TOL)
     names = ("q", "k", "v", "w1", "b1", "w2", "b2", "A", "D")
     for name, got, want in zip(names, _grads(out, leaves), _grads(ref, leaves)):
@@ -221,8 +234,10 @@ def test_bf16_inputs_track_fp32_reference():
     assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
 
 
-def test_single_token_and_padding_only_rows():
-    """L = 1, and a batch row whose keys are all padding: outputs and gradients stay finite."""
+def test_single_token_and_padding_only_rows(layout):
+    """L = 1, and a batch row whose keys are all padding: outputs and gradients stay finite and
+    equal the spec's (the padding-only row averages V uniformly, like the reference's softmax over
+    equal finfo.min-biased scores, not a sum), gradients included."""
     q, k, v, A, D, _ = _inputs(length=1, pad=False, seed=17)
     mlp = _phase(4, seed=17)
     out = blocked_attention(q, k, v, A, D, mlp.params(), tau_max=TAU_MAX, clip_kappa=KAPPA)
@@ -232,9 +247,15 @@ def test_single_token_and_padding_only_rows():
     A, D = _features(torch.randint(0, 5, valid.shape), valid, 8)
     kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid}
     out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=4, **kwargs)
-    grads = _grads(out, [q, k, v, *mlp.params()])
+    leaves = [q, k, v, *mlp.params()]
+    grads = _grads(out, leaves)
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-    torch.testing.assert_close(out, reference_attention(q, k, v, A, D, mlp.params(), **kwargs), **TOL)
+    ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
+    torch.testing.assert_close(out, ref, **TOL)
+    uniform = repeat_kv(v, q.shape[1])[0].mean(dim=1, keepdim=True)  # [Hq, 1, d_h]
+    torch.testing.assert_close(out[0], uniform.expand_as(out[0]), **TOL)
+    for got, want in zip(grads, _grads(ref, leaves)):
+        torch.testing.assert_close(got, want, **TOL)
 
 
 def test_inactive_heads_are_plain_rope():
@@ -267,12 +288,12 @@ def test_inactive_heads_are_plain_rope():
 
 
 def test_no_active_head_does_no_pair_work(monkeypatch):
-    """All heads off: plain RoPE, and the pair path (region 1) is never entered."""
+    """All heads off: plain RoPE, and the pair path is never entered."""
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("pair coefficients computed with no active head")
+        raise AssertionError("a pair block ran with no active head")
 
-    monkeypatch.setattr(blocked, "pair_coefficients", forbidden)
+    monkeypatch.setattr(blocked, "block_attention", forbidden)
     q, k, v, A, D, valid = _inputs()
     out = blocked_attention(
         q,
@@ -289,57 +310,63 @@ def test_no_active_head_does_no_pair_work(monkeypatch):
     assert torch.equal(out, rope_attention(q, k, v, valid))
 
 
-def test_hand_written_backward_matches_autograd():
-    """PairCorrection (eager) against the broadcast expression the compiled path differentiates,
-    in float64 with torch.autograd.gradcheck for the hand-written backward itself."""
-    gen = torch.Generator().manual_seed(29)
-    batch, kv_heads, rows, group, num_mdl, length = 2, 2, 3, 2, 2, 5
+def _block_inputs(gen: torch.Generator, kv_heads: int, group: int, length: int, pad: bool) -> list:
+    """float64 inputs of one BlockAttention call (C = 3 rows, d_h = 8), pair ratios hitting the clip."""
+    batch, rows, head_dim, hidden = 2, 3, 8, 5
+    num_pairs = head_dim // 2
 
-    def leaf(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+    def leaf(*shape, low=0.0, uniform=False):
+        draw = torch.rand if uniform else torch.randn
+        return (draw(*shape, generator=gen, dtype=torch.float64) + low).requires_grad_()
 
-    qp = leaf(batch, kv_heads, rows, group, 2 * num_mdl)
-    ka, kb = leaf(batch, kv_heads, 2, num_mdl, length), leaf(batch, kv_heads, 2, num_mdl, length)
-    alpha, beta = leaf(batch, rows, num_mdl, length), leaf(batch, rows, num_mdl, length)
-    inputs = (qp, ka, kb, alpha, beta)
-    assert torch.autograd.gradcheck(PairCorrection.apply, inputs)
-    fused, plain = pair_correction(*inputs, fused=True), pair_correction(*inputs, fused=False)
-    torch.testing.assert_close(fused, plain)
-    weight = torch.randn(fused.shape, generator=gen, dtype=torch.float64)
-    for g, w in zip(
-        torch.autograd.grad((fused * weight).sum(), inputs),
-        torch.autograd.grad((plain * weight).sum(), inputs),
-    ):
-        torch.testing.assert_close(g, w)
-
-
-def test_region_one_backward_matches_autograd():
-    """PairCoefficients (eager) against autograd through pair_coefficients (what the compiled path
-    differentiates), gradcheck in float64 including A, D, with pair ratios that hit the clip."""
-    gen = torch.Generator().manual_seed(41)
-    batch, rows, length, num_pairs, hidden = 2, 3, 4, 4, 5
-
-    def leaf(*shape, low=0.0):
-        return (torch.rand(*shape, generator=gen, dtype=torch.float64) + low).requires_grad_()
-
-    a_rows, a_cols = leaf(batch, rows, num_pairs), leaf(batch, num_pairs, length)
-    d_rows, d_cols = leaf(batch, rows, num_pairs, low=1.0), leaf(batch, num_pairs, length, low=1.0)
+    q_rows = leaf(batch, kv_heads, group, rows, head_dim)
+    k, v = leaf(batch, kv_heads, length, head_dim), leaf(batch, kv_heads, length, head_dim)
+    k1t, k2t = leaf(batch, kv_heads, num_pairs // 2, length), leaf(batch, kv_heads, num_pairs // 2, length)
+    a_rows, a_cols = leaf(batch, rows, num_pairs, uniform=True), leaf(batch, num_pairs, length, uniform=True)
+    d_rows = leaf(batch, rows, num_pairs, low=1.0, uniform=True)
+    d_cols = leaf(batch, num_pairs, length, low=1.0, uniform=True)
     with torch.no_grad():
         a_rows[0, 0], d_rows[0, 0], a_cols[0, :, 0], d_cols[0, :, 0] = 0.0, 1.0, 0.0, 1.0  # r = 0: clipped
     weights = [
-        torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+        leaf(*shape)
         for shape in ((hidden, num_pairs), (hidden,), (num_pairs // 2, hidden), (num_pairs // 2,))
     ]
-    inputs = (a_rows, d_rows, a_cols, d_cols, *weights)
-    assert torch.autograd.gradcheck(lambda *x: PairCoefficients.apply(*x, TAU_MAX, KAPPA), inputs)
-    fused = PairCoefficients.apply(*inputs, TAU_MAX, KAPPA)
-    plain = blocked.pair_coefficients(*inputs, TAU_MAX, KAPPA)
-    weight = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in plain]
-    for f, p in zip(fused, plain):
-        torch.testing.assert_close(f, p)
-    loss_f = sum((f * w).sum() for f, w in zip(fused, weight))
-    loss_p = sum((p * w).sum() for p, w in zip(plain, weight))
-    for g, w in zip(torch.autograd.grad(loss_f, inputs), torch.autograd.grad(loss_p, inputs)):
+    bias = None
+    if pad:
+        bias = torch.zeros(batch, 1, 1, 1, length, dtype=torch.float64)
+        bias[-1, ..., -2:] = torch.finfo(torch.float64).min
+    return [q_rows, k, v, k1t, k2t, a_rows, d_rows, a_cols, d_cols, *weights, bias]
+
+
+@pytest.mark.parametrize("pieces", ["EAGER", "SUMMED"])
+@pytest.mark.parametrize("ad_grad", [False, True], ids=["weights_vjp", "autograd_region1"])
+def test_block_backward_gradcheck(pieces, ad_grad):
+    """BlockAttention's hand-derived backward (both layouts) against finite differences in float64:
+    every input, through the region-1 vjp (A, D constant) or autograd (A, D differentiable)."""
+    gen = torch.Generator().manual_seed(29)
+    inputs = _block_inputs(gen, kv_heads=2, group=2, length=5, pad=True)
+    if not ad_grad:
+        for t in inputs[5:9]:
+            t.requires_grad_(False)
+    run = getattr(blocked_math, pieces)
+
+    def block(*tensors):
+        return blocked_math.BlockAttention.apply(run, *tensors, 0.4, TAU_MAX, KAPPA)
+
+    assert torch.autograd.gradcheck(block, inputs)
+
+
+def test_region_one_vjp_matches_autograd():
+    """coefficients_vjp (the hand-derived region-1 backward) against autograd through
+    coefficients, float64, with pair ratios that hit the clip."""
+    gen = torch.Generator().manual_seed(41)
+    region1 = _block_inputs(gen, kv_heads=1, group=1, length=4, pad=False)[5:13]
+    weights = region1[4:]
+    alpha, beta, asin_x, u, z = blocked_math.coefficients_for_backward(*region1, TAU_MAX, KAPPA)
+    grad_alpha, grad_beta = torch.randn_like(alpha), torch.randn_like(beta)
+    want = torch.autograd.grad((alpha, beta), weights, (grad_alpha, grad_beta))
+    got = blocked_math.coefficients_vjp(asin_x, u, z, weights[2], TAU_MAX, grad_alpha, grad_beta)
+    for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
 
@@ -363,11 +390,11 @@ def _largest_saved_for_backward(**kwargs) -> int:
     return largest
 
 
-def test_checkpoint_keeps_no_pair_tensor_for_backward():
-    """With per-block checkpointing nothing of size L x L is saved for backward; without it is."""
+def test_blocks_keep_no_pair_tensor_for_backward(layout):
+    """Each block keeps only its inputs, output and log-sum-exp for backward: nothing of size
+    L x L or C x L x |M| (a block's pair tensor, 8 x 48 x 2 here) is saved."""
     per_sequence = 1 * 2 * 48 * 8  # B * Hq * L * d_h: the size of an input
-    assert _largest_saved_for_backward(checkpoint=True) <= per_sequence
-    assert _largest_saved_for_backward(checkpoint=False) >= 8 * 48 * 2  # a block's [C, L, |M|] pair tensor
+    assert _largest_saved_for_backward() <= per_sequence
 
 
 def test_block_starts_cover_every_row_once():
@@ -389,71 +416,19 @@ def test_rejects_mismatched_features():
         )
 
 
-def _eager_pieces() -> blocked_fused.CompiledPieces:
-    """The compiled path's pieces without torch.compile: its maths, checked in milliseconds."""
-    return blocked_fused.CompiledPieces(
-        blocked_fused.coefficients,
-        blocked_fused.coefficients_for_backward,
-        blocked_fused.coefficients_vjp,
-        blocked_fused.attend_forward,
-        blocked_fused.attend_backward,
-    )
-
-
-@pytest.mark.parametrize(
-    ("length", "block_size", "kv_heads", "pattern", "ad_grad"),
-    [
-        (12, 4, 2, None, False),  # key chunks of 4 (KEY_CHUNK patched) in the k gradient
-        (11, 4, 2, (True, False), True),  # ragged last block (aligned), A, D differentiable
-        (10, 3, 1, None, False),  # one KV head for all queries, chunks do not divide L
-    ],
-)
-def test_flash_blocks_match_reference(monkeypatch, length, block_size, kv_heads, pattern, ad_grad):
-    """compile=True's flash-style blocks (saved output + log-sum-exp, hand-derived backward) with
-    the pieces run eagerly: forward, no-grad forward and all gradients equal the spec's."""
-    monkeypatch.setattr(blocked_fused, "compiled_pieces", _eager_pieces)
-    monkeypatch.setattr(blocked_fused, "KEY_CHUNK", 4)
-    q, k, v, A, D, valid = _inputs(q_heads=4, kv_heads=kv_heads, length=length, seed=43 + length)
-    mlp = _phase(4, seed=43)
-    leaves = [q, k, v, *mlp.params()]
-    if ad_grad:
-        A, D = A.detach().requires_grad_(), D.detach().requires_grad_()
-        leaves += [A, D]
-    active = None if pattern is None else torch.tensor(pattern)
-    kwargs = {"tau_max": TAU_MAX, "clip_kappa": KAPPA, "key_valid": valid, "active_kv": active}
-    ref = reference_attention(q, k, v, A, D, mlp.params(), **kwargs)
-    out = blocked_attention(q, k, v, A, D, mlp.params(), block_size=block_size, compile=True, **kwargs)
-    torch.testing.assert_close(out, ref, **TOL)
-    with torch.no_grad():
-        no_grad = blocked_attention(
-            q, k, v, A, D, mlp.params(), block_size=block_size, compile=True, **kwargs
-        )
-    torch.testing.assert_close(no_grad, ref, **TOL)
-    names = ("q", "k", "v", "w1", "b1", "w2", "b2", "A", "D")
-    for name, got, want in zip(names, _grads(out, leaves), _grads(ref, leaves)):
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
-
-
-def test_flash_blocks_save_no_pair_tensor(monkeypatch):
-    """The compiled path keeps per block only its inputs, output and log-sum-exp for backward."""
-    monkeypatch.setattr(blocked_fused, "compiled_pieces", _eager_pieces)
-    per_sequence = 1 * 2 * 48 * 8  # B * Hq * L * d_h: the size of an input
-    assert _largest_saved_for_backward(compile=True) <= per_sequence
-
-
 def test_compiled_pieces_compile_past_dynamos_default_limit():
     """A training run meets more shapes than dynamo's default 8 (active-head counts x widths);
     every one of them gets its own graph instead of an eager fallback."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    piece = blocked_fused._compiled(lambda x: x * 2.0 + 1.0)
+    piece = blocked_math._compiled(lambda x: x * 2.0 + 1.0)
     before = counters["stats"]["unique_graphs"]
     shapes = 9  # one past the default
     for n in range(1, shapes + 1):
         torch.testing.assert_close(piece(torch.ones(n)), torch.full((n,), 3.0))
     assert counters["stats"]["unique_graphs"] - before == shapes
-    assert shapes <= blocked_fused.GRAPH_BUDGET
+    assert shapes <= blocked_math.GRAPH_BUDGET
 
 
 def test_compiled_regions_match_eager():
@@ -519,9 +494,10 @@ def test_default_path_off_cpu_is_not_launch_bound():
     """Ops dispatched by one MDLMPE layer through the default config (backend 'auto') on a non-CPU
     device, fwd + bwd, LLaDA-like heads (32 heads, d_h 128) at L = 1024. Meta tensors (shapes only,
     no arithmetic) stand in for a GPU: 'auto' picks the blocked path for them, which must not apply
-    the CPU's 8-row cap. With 128-row blocks one block dispatches ~3,600 ops (the per-head loops of
-    PairCorrection), 8 blocks ~29,000; the capped path ran 128 blocks, ~460,000 ops. Bound: 40,000."""
-    from mdlmpe_ds.attention import mdlmpe_attention
+    the CPU's 8-row cap. With 128-row blocks one block dispatches a few thousand ops (the per-head
+    loops of region 2), 8 blocks ~10,000-30,000; the capped path ran 128 blocks, ~460,000 ops.
+    Bound: 40,000."""
+    from mdlmpe_ds.attention import AttentionImpl, mdlmpe_attention
     from mdlmpe_ds.pe.config import MDLMPEConfig
 
     heads, length, head_dim = 32, 1024, 128
@@ -537,7 +513,7 @@ def test_default_path_off_cpu_is_not_launch_bound():
     A = torch.empty(1, length, head_dim // 2, device="meta")
     mlp = PhaseMLP(head_dim // 2, 32, device="meta")
     with _CountOps() as ops:
-        out = mdlmpe_attention(q, k, v, A, A, mlp.params(), MDLMPEConfig())
+        out = mdlmpe_attention(q, k, v, A, A, mlp.params(), MDLMPEConfig(), AttentionImpl())
         out.sum().backward()
     assert q.grad is not None and mlp.fc1.weight.grad is not None
     assert ops.count <= 40_000, f"{ops.count} aten ops for one layer (launch-bound on a GPU)"

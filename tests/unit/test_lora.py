@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mdlmpe_ds import lora
+from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.lora import LoraSpec
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
@@ -25,10 +26,10 @@ def _tiny(family: str = "llada", encoding: str = "mdlmpe") -> DiffusionLM:
         f"{family}-tiny",
         position_encoding=encoding,
         max_seq_len=32,
-        mdlmpe={"max_seq_len": 32, "backend": "reference"},
+        mdlmpe={"max_seq_len": 32},
         gradient_checkpointing=False,
     )
-    return DiffusionLM(cfg)
+    return DiffusionLM(cfg, impl=AttentionImpl(backend="reference"))
 
 
 def _randomize(model: torch.nn.Module, seed: int = 1) -> None:

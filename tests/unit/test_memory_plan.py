@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.pe.config import MDLMPEConfig
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20  # the plan vs a measured layer, relative
 
 
-def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, length: int, **mdlmpe):
+def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, length: int):
     heads = width // 128  # d_h = 128 as in LLaDA-8B and Dream-7B
     kv = heads if family == "llada" else max(1, heads // 4)
     return preset(
@@ -38,13 +39,13 @@ def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, l
         max_seq_len=length,
         position_encoding=encoding,
         gradient_checkpointing=checkpointing,
-        mdlmpe=MDLMPEConfig(max_seq_len=length, **mdlmpe),
+        mdlmpe=MDLMPEConfig(max_seq_len=length),
     )
 
 
-def _check_against_measured(cfg, batch: int, length: int) -> None:
-    measured = measure_layer(cfg, batch, length)
-    plan = layer_activation_bytes(cfg, 4, batch, length)
+def _check_against_measured(cfg, batch: int, length: int, impl: AttentionImpl | None = None) -> None:
+    measured = measure_layer(cfg, batch, length, impl=impl)
+    plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl)
     peak = measured["kept"] + measured["backward"]
     for name, planned, seen in (("kept", plan["kept"], measured["kept"]), ("peak", plan["peak"], peak)):
         assert abs(planned - seen) <= TOLERANCE * seen, (
@@ -53,21 +54,20 @@ def _check_against_measured(cfg, batch: int, length: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "encoding", "checkpointing", "mdlmpe"),
+    ("family", "encoding", "checkpointing", "impl"),
     [
         ("llada", "rope", False, {}),
         ("llada", "rope", True, {}),
-        ("llada", "mdlmpe", True, {}),  # blocked, per-block checkpointing: attention outside
+        ("llada", "mdlmpe", True, {}),  # blocked (recomputes per block): attention outside
         ("llada", "mdlmpe", False, {}),
-        ("llada", "mdlmpe", True, {"checkpoint_blocks": False}),  # O(L) pair tensors per token
         ("dream", "rope", True, {}),  # GQA, rotary in the activation dtype
         ("dream", "mdlmpe", True, {}),
     ],
 )
-def test_activation_terms_match_a_measured_narrow_layer(family, encoding, checkpointing, mdlmpe):
+def test_activation_terms_match_a_measured_narrow_layer(family, encoding, checkpointing, impl):
     """d = 512 (4 heads of 128): every checkpointing mode and backend path the plan models."""
-    cfg = _layer_config(family, 512, encoding, checkpointing, 128, **mdlmpe)
-    _check_against_measured(cfg, 2, 128)
+    cfg = _layer_config(family, 512, encoding, checkpointing, 128)
+    _check_against_measured(cfg, 2, 128, AttentionImpl(**impl))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.models.hf_io import (
     INDEX_NAME,
@@ -97,8 +98,8 @@ def test_real_configs_read_as_the_presets():
 
 def _tiny(family, encoding="rope", **kw):
     torch.manual_seed(0)
-    config = preset(f"{family}-tiny", position_encoding=encoding, mdlmpe={"backend": "reference"}, **kw)
-    model = DiffusionLM(config).eval()
+    config = preset(f"{family}-tiny", position_encoding=encoding, **kw)
+    model = DiffusionLM(config, impl=AttentionImpl(backend="reference")).eval()
     with torch.no_grad():  # a trained-looking model: non-zero phase output and non-init norms
         for name, param in model.named_parameters():
             if "phase.fc2" in name or name.endswith("norm.weight"):
@@ -118,7 +119,7 @@ def test_save_reload_is_exact(tmp_path, family, encoding, sharded):
     files = save_pretrained(model, tmp_path, model.config, max_shard_bytes=40_000 if sharded else 1 << 30)
     assert (tmp_path / INDEX_NAME).exists() == sharded
     assert sum(f.suffix == ".safetensors" for f in files) > (3 if sharded else 0)
-    reloaded = load_pretrained(tmp_path)
+    reloaded = load_pretrained(tmp_path, impl=model.impl)  # how attention runs is not saved
     assert reloaded.config == model.config
     for (name, a), (name_b, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert name == name_b
@@ -165,7 +166,7 @@ def test_written_names_are_upstream(tmp_path):
 def test_rope_checkpoint_into_mdlmpe_model_initialises_mdlmpe_per_spec(tmp_path):
     rope = _tiny("dream", "rope")
     save_pretrained(rope, tmp_path, rope.config)
-    model = load_pretrained(tmp_path, position_encoding="mdlmpe", mdlmpe={"backend": "reference"})
+    model = load_pretrained(tmp_path, position_encoding="mdlmpe", impl=AttentionImpl(backend="reference"))
     for layer in model.layers:
         assert layer.attn.phase.fc2.weight.abs().max() == 0 and layer.attn.phase.fc2.bias.abs().max() == 0
     assert model.embed.mdlmpe.proj.bias.abs().max() == 0
@@ -299,3 +300,28 @@ def test_model_config_round_trips_and_rejects_bad_values():
         preset("llada-tiny", mdlmpe={"max_seq_len": 128})
     with pytest.raises(ValueError, match="mask_token_id"):
         preset("llada-tiny", mask_token_id=512)
+
+
+def test_older_export_with_attention_keys_still_loads(tmp_path):
+    """An export written when config.json's MDLMPE block still held the attention implementation
+    (backend, block_size, compile, ...) loads as the same model; the keys are not written any more."""
+    model = _tiny("llada", "mdlmpe")
+    save_pretrained(model, tmp_path, model.config)
+    config_file = tmp_path / "config.json"
+    raw = json.loads(config_file.read_text())
+    assert "backend" not in raw["mdlmpe_ds"]["mdlmpe"] and "block_size" not in raw["mdlmpe_ds"]["mdlmpe"]
+    old = {
+        "backend": "reference",
+        "block_size": 4,
+        "triton_tile": None,
+        "compile": False,
+        "checkpoint_blocks": True,
+    }
+    raw["mdlmpe_ds"]["mdlmpe"].update(old)
+    config_file.write_text(json.dumps(raw))
+    reloaded = load_pretrained(tmp_path, impl=model.impl)
+    assert reloaded.config == model.config
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(IDS, VALID), model(IDS, VALID), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"'compile' is not a model key any more.*attention\.compile"):
+        load_pretrained(tmp_path, mdlmpe={"compile": True})  # a new override is refused, not dropped

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM, preset
 
 BACKENDS = ["reference", "blocked"]
@@ -15,9 +16,8 @@ def _pair(family, backend, **kw):
     """An MDLMPE model and a RoPE model with the same backbone weights."""
     torch.manual_seed(0)
     mdlmpe = DiffusionLM(
-        preset(
-            f"{family}-tiny", position_encoding="mdlmpe", mdlmpe={"backend": backend, "block_size": 4}, **kw
-        )
+        preset(f"{family}-tiny", position_encoding="mdlmpe", **kw),
+        impl=AttentionImpl(backend=backend, query_block=4),
     )
     rope = DiffusionLM(preset(f"{family}-tiny", **kw))
     missing, unexpected = rope.load_state_dict(mdlmpe.state_dict(), strict=False)
@@ -160,9 +160,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, encoding, backe
             f"{family}-tiny",
             position_encoding=encoding,
             gradient_checkpointing=checkpointing,
-            mdlmpe={"backend": backend, "block_size": 4},
         )
-        model = DiffusionLM(config).train()
+        model = DiffusionLM(config, impl=AttentionImpl(backend=backend, query_block=4)).train()
         with torch.no_grad():
             for layer in model.layers:
                 if layer.attn.phase is not None:
@@ -177,17 +176,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, encoding, backe
 
 
 @pytest.mark.parametrize(
-    ("backend", "checkpoint_blocks", "recompute", "runs_per_layer"),
+    ("backend", "recompute", "runs_per_layer"),
     [
-        ("blocked", True, False, 1),  # the attention keeps its own memory: not in the layer's recompute
-        ("blocked", True, True, 2),  # asked to recompute it with the layer
-        ("blocked", False, False, 2),  # no per-block checkpointing: the layer checkpoint bounds memory
-        ("reference", True, False, 2),  # L x L pair tensor: always inside the layer checkpoint
+        ("blocked", False, 1),  # the attention keeps its own memory: not in the layer's recompute
+        ("blocked", True, 2),  # asked to recompute it with the layer
+        ("reference", False, 2),  # L x L pair tensor: always inside the layer checkpoint
     ],
 )
-def test_layer_checkpoint_leaves_self_managed_attention_out(
-    monkeypatch, backend, checkpoint_blocks, recompute, runs_per_layer
-):
+def test_layer_checkpoint_leaves_self_managed_attention_out(monkeypatch, backend, recompute, runs_per_layer):
     """With layer checkpointing, backward re-runs the MDLMPE attention forward only where its memory
     is not already bounded (per-block recompute), and gradients equal the uncheckpointed ones."""
     import mdlmpe_ds.models.transformer as transformer
@@ -208,9 +204,8 @@ def test_layer_checkpoint_leaves_self_managed_attention_out(
             position_encoding="mdlmpe",
             gradient_checkpointing=checkpointing,
             recompute_mdlmpe_attention=recompute,
-            mdlmpe={"backend": backend, "block_size": 4, "checkpoint_blocks": checkpoint_blocks},
         )
-        model = DiffusionLM(config).train()
+        model = DiffusionLM(config, impl=AttentionImpl(backend=backend, query_block=4)).train()
         with torch.no_grad():
             for layer in model.layers:
                 layer.attn.phase.fc2.weight.normal_(std=1.0)

@@ -70,8 +70,6 @@ def test_window_and_sigma_defaults():
     assert MDLMPEConfig(max_seq_len=1024, use_gaussian=False).window == 0
     assert MDLMPEConfig(max_seq_len=8).window == 2  # round(1.5) rounds half up, not down or to even
     assert MDLMPEConfig(max_seq_len=24).window == 5  # round(4.5)
-    with pytest.raises(ValueError, match="triton_tile"):
-        MDLMPEConfig(triton_tile=48).validate()
     assert MDLMPEConfig().hidden_width(64) == 32 and MDLMPEConfig().hidden_width(8) == 16
 
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from mdlmpe_ds.attention import common
-from mdlmpe_ds.attention.common import key_padding_bias, repeat_kv, rope_attention
+from mdlmpe_ds.attention.common import alibi_attention, key_padding_bias, repeat_kv, rope_attention
 from mdlmpe_ds.pe import availability as avail
-from mdlmpe_ds.pe.alibi import alibi_attention, alibi_bias
+from mdlmpe_ds.pe.alibi import alibi_bias
 
 
 def test_availability_convolutions_request_ieee_fp32(monkeypatch):

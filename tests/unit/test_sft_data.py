@@ -618,11 +618,12 @@ def test_trainer_batches_redraw_the_same_cutoff_after_resume():
     ("family", "encoding"), [("llada", "rope"), ("llada", "mdlmpe"), ("dream", "mdlmpe"), ("dream", "alibi")]
 )
 def test_left_padded_rows_give_the_unpadded_logits(family, encoding):
+    from mdlmpe_ds.attention import AttentionImpl
     from mdlmpe_ds.models import DiffusionLM, preset
 
     torch.manual_seed(0)
-    config = preset(f"{family}-tiny", position_encoding=encoding, mdlmpe={"backend": "reference"})
-    model = DiffusionLM(config).eval()
+    config = preset(f"{family}-tiny", position_encoding=encoding)
+    model = DiffusionLM(config, impl=AttentionImpl(backend="reference")).eval()
     with torch.no_grad():
         for layer in model.layers:
             if layer.attn.phase is not None:  # a non-zero phase residual, so MDLMPE's geometry is used

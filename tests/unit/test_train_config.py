@@ -12,6 +12,7 @@ import pytest
 from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds.config import RunConfig, build_config
 from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -35,8 +36,39 @@ def test_cli_and_file_overrides(tmp_path):
     )
     assert run.optim.lr == 1e-5  # command line beats the file
     assert run.train.grad_accum == 4 and run.data.max_len == 256
-    assert run.model.mdlmpe == {"tau_max": 0.2} and run.train.head_schedule is False
+    assert (
+        run.model.mdlmpe == MDLMPEConfig(max_seq_len=FOLLOW_MODEL, tau_max=0.2)
+        and run.train.head_schedule is False
+    )
+    assert run.mdlmpe_config() == MDLMPEConfig(max_seq_len=256, tau_max=0.2)  # L_ref = data.max_len
     assert RunConfig.from_dict(run.to_dict()).to_dict() == run.to_dict()
+
+
+def test_mdlmpe_method_keys_are_typed():
+    """model.mdlmpe is an MDLMPEConfig: one key at a time takes its field's type, a JSON object
+    merges into the keys set before, and a bad value or unknown key names the key."""
+    run = build_config(
+        None,
+        [
+            "--model.mdlmpe.use_gaussian",
+            "false",
+            "--model.mdlmpe",
+            '{"rho": 0.5}',
+            "--model.mdlmpe.phase_hidden",
+            "8",
+        ],
+    )
+    assert (run.model.mdlmpe.use_gaussian, run.model.mdlmpe.rho, run.model.mdlmpe.phase_hidden) == (
+        False,
+        0.5,
+        8,
+    )
+    with pytest.raises(ValueError, match=r"bad value 'yes please' for model\.mdlmpe\.use_embedding"):
+        build_config(None, ["--model.mdlmpe.use_embedding", "yes please"])
+    with pytest.raises(ValueError, match=r"model\.mdlmpe: mdlmpe config: unknown keys \['tau'\]"):
+        build_config(None, ["--model.mdlmpe", '{"tau": 0.1}'])
+    with pytest.raises(ValueError, match=r"model\.mdlmpe: mdlmpe config: coordinate='cosine' must be one of"):
+        build_config(None, ["--model.mdlmpe.coordinate", "cosine"])
 
 
 def test_unknown_key_lists_valid_keys():
@@ -172,7 +204,7 @@ def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
     monkeypatch.setattr(sft, "SFTCollator", recording_collator)
     tok, chat = fixture_data
     base = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
-    compiled = [*base, "--model.mdlmpe", '{"compile": true}']
+    compiled = [*base, "--attention.compile", "true"]
     _dry(compiled, tmp_path)
     assert "set data.pad_to_multiple_of" in capsys.readouterr().out
     _dry([*compiled, "--pad_to_multiple_of", "16"], tmp_path)
@@ -263,20 +295,73 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
 
 
 def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
-    """Checkpointing switches and MDLMPE's attention implementation are runtime choices: a run
-    resumes with others; any model key, MDLMPE's method keys included, differs."""
-    mdlmpe = {"tau_max": 0.25, "backend": "blocked", "block_size": 128, "compile": False}
+    """Checkpointing switches are runtime choices: a run resumes with others; an older checkpoint
+    whose MDLMPE block still holds the attention-implementation keys it stored then (now the run's
+    attention section) resumes too; any model key, MDLMPE's method keys included, differs."""
+    old = {
+        "tau_max": 0.25,
+        "backend": "blocked",
+        "block_size": 128,
+        "compile": False,
+        "checkpoint_blocks": True,
+    }
     model = {
         "hidden_size": 64,
         "gradient_checkpointing": True,
         "recompute_mdlmpe_attention": False,
-        "mdlmpe": mdlmpe,
+        "mdlmpe": old,
     }
     saved = ckpt.SavedRun(tmp_path, 4, 2, {}, model)
     runtime = {"gradient_checkpointing": False, "recompute_mdlmpe_attention": True}
-    faster = {**mdlmpe, "block_size": 64, "compile": True, "checkpoint_blocks": False}
+    faster = {"tau_max": 0.25}
     ckpt.check_same_model(saved, {**model, **runtime, "mdlmpe": faster})
     with pytest.raises(ValueError, match=r"hidden_size: checkpoint 64 vs run 32"):
         ckpt.check_same_model(saved, {**model, "hidden_size": 32})
     with pytest.raises(ValueError, match=r"mdlmpe: checkpoint .*'tau_max': 0.25.* vs run .*'tau_max': 0.5"):
         ckpt.check_same_model(saved, {**model, "mdlmpe": {**faster, "tau_max": 0.5}})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "where"),
+    [
+        ("backend", "reference", "attention.backend"),
+        ("block_size", 64, "attention.query_block"),
+        ("triton_tile", 16, "attention.tile"),
+        ("compile", True, "attention.compile"),
+    ],
+)
+def test_attention_keys_in_a_model_config_say_where_they_moved(tmp_path, key, value, where):
+    """How the attention runs is the run's `attention` section: the old MDLMPE keys are an error
+    naming the key and its new place, on the command line, in a YAML file, and in a model config."""
+    from mdlmpe_ds.models import ModelConfig, preset
+
+    pattern = rf"'{key}' is not a model key any more.*{where}"
+    with pytest.raises(ValueError, match=rf"model\.mdlmpe: .*{pattern}"):
+        build_config(None, ["--model.mdlmpe", json.dumps({key: value})])
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"model:\n  mdlmpe:\n    {key}: {json.dumps(value)}\n")
+    with pytest.raises(ValueError, match=pattern):
+        build_config(str(yaml_file), [])
+    with pytest.raises(ValueError, match=pattern):
+        preset("llada-tiny", position_encoding="mdlmpe", mdlmpe={key: value})
+    stored = preset("llada-tiny", position_encoding="mdlmpe").to_dict()
+    stored["mdlmpe"][key] = value
+    with pytest.raises(ValueError, match=pattern):
+        ModelConfig.from_dict(stored)
+    # A config an older checkpoint or export stored: the key is dropped, the model is the same.
+    assert ModelConfig.from_dict(stored, stored=True) == preset("llada-tiny", position_encoding="mdlmpe")
+
+
+def test_attention_section_is_the_run_time_choice():
+    from mdlmpe_ds.attention import AttentionImpl
+
+    run = build_config(None, ["--attention.backend", "reference", "--query_block", "32", "--compile", "true"])
+    assert run.attention == AttentionImpl(backend="reference", query_block=32, tile=None, compile=True)
+    assert run.to_dict()["attention"]["query_block"] == 32 and "query_block" not in json.dumps(
+        run.to_dict()["model"]
+    )
+    with pytest.raises(ValueError, match=r"attention: tile=48 must be None \(per GPU\) or a power of 2"):
+        build_config(None, ["--attention.tile", "48"])
+    with pytest.raises(ValueError, match="'checkpoint_blocks' is gone"):
+        build_config(None, ["--model.mdlmpe", '{"checkpoint_blocks": false}'])
+    assert build_config(None, ["--block_size", "4"]).train.block_size == 4  # still the SFT block

@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from mdlmpe_ds.attention import mdlmpe_attention, resolve_backend
+from mdlmpe_ds.attention import AttentionImpl, mdlmpe_attention, resolve_backend
 from mdlmpe_ds.pe.config import MDLMPEConfig
 from mdlmpe_ds.pe.phase import PhaseMLP
 
@@ -103,10 +103,19 @@ def _run_case(name: str) -> dict[str, float]:
     errors = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(GRADS, want, got)}
     errors["scale"] = max(w.float().abs().max().item() for w in want)
     errors["saved_max_numel_over_q"] = max(saved) / q.numel()
-    # The config-driven entry point reaches the same kernel (forward only).
-    config = MDLMPEConfig(backend="triton", triton_tile=tile, tau_max=tau_max)
+    # The run-time choice reaches the same kernel (forward only).
+    impl = AttentionImpl(backend="triton", tile=tile)
     via_config = mdlmpe_attention(
-        q, k, v, A, D, mlp.params(), config, active_kv=active_kv, key_valid=key_valid
+        q,
+        k,
+        v,
+        A,
+        D,
+        mlp.params(),
+        MDLMPEConfig(tau_max=tau_max),
+        impl,
+        active_kv=active_kv,
+        key_valid=key_valid,
     )
     errors["dispatch"] = (via_config.detach().float() - want[0].float()).abs().max().item()
     if not random_fc2:
@@ -188,7 +197,7 @@ def test_auto_backend_is_triton_on_cuda_blocked_elsewhere(caplog):
     assert caplog.text.count("'auto' -> 'triton'") == 1  # once per (device type, backend)
     for name in ("reference", "blocked", "triton"):
         assert choose_backend(name, torch.device("cpu")) == name
-    assert MDLMPEConfig().backend == "auto" and MDLMPEConfig().triton_tile is None
+    assert AttentionImpl().backend == "auto" and AttentionImpl().tile is None
 
 
 def test_auto_on_cpu_runs_the_blocked_path(monkeypatch):
@@ -204,8 +213,8 @@ def test_auto_on_cpu_runs_the_blocked_path(monkeypatch):
     monkeypatch.setattr(blocked, "blocked_attention", spy)
     q = k = v = torch.randn(1, 2, 6, 8)
     D = torch.rand(1, 6, 4) + 0.5
-    mdlmpe_attention(q, k, v, D / 2, D, PhaseMLP(4, 16).params(), MDLMPEConfig())
-    assert len(calls) == 1 and calls[0]["block_size"] == 128 and calls[0]["checkpoint"]
+    mdlmpe_attention(q, k, v, D / 2, D, PhaseMLP(4, 16).params(), MDLMPEConfig(), AttentionImpl())
+    assert len(calls) == 1 and calls[0]["block_size"] == 128 and not calls[0]["compile"]
 
 
 def test_explicit_triton_on_cpu_tensors_is_an_error(monkeypatch):

@@ -1,4 +1,5 @@
-"""Fused Triton MDLMPE attention (issue 8): the ``triton`` value of ``MDLMPEConfig.backend``.
+"""Fused Triton MDLMPE attention: the ``triton`` value of ``AttentionImpl.backend``
+(``--attention.backend``).
 
 Same contract as ``reference_attention`` (the spec) plus ``block_size``; an autograd.Function
 over two kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
@@ -46,7 +47,7 @@ import os
 
 import torch
 
-from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.attention.common import check_inputs, rope_attention
 from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
@@ -72,12 +73,12 @@ def check_triton_available() -> None:
         import triton  # noqa: F401
     except ImportError as err:
         raise RuntimeError(
-            "mdlmpe backend 'triton' needs the triton package (pip install triton); "
+            "attention backend 'triton' needs the triton package (pip install triton); "
             "use backend 'blocked' on machines without it"
         ) from err
     if not torch.cuda.is_available() and not _interpreting():
         raise RuntimeError(
-            "mdlmpe backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for the CPU "
+            "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for the CPU "
             "interpreter, tests only); use backend 'blocked' on CPU"
         )
 
@@ -219,43 +220,29 @@ class _MDLMPEAttention(torch.autograd.Function):
 
 
 def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(
-            f"triton_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree"
-        )
+    """The shapes every backend checks (``common.check_inputs``), then what the fused kernel adds:
+    one dtype, 32-bit offsets, no gradient into A and D, a power-of-2 tile that fits the registers."""
+    if q.dim() == 4 and q.shape[-1] % 2:
+        raise ValueError(f"triton_attention: head_dim={q.shape[-1]} must be even (rotary pairs)")
+    check_inputs("triton_attention", q, k, v, A, D, phase, None, key_valid, block_size)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"triton_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    batch, _, length, head_dim = q.shape
     if q.numel() >= 2**31 or k.numel() >= 2**31:
         raise ValueError(
             f"triton_attention: q {tuple(q.shape)} / k {tuple(k.shape)} have 2^31 elements or more; "
             "the kernels index with 32-bit offsets (split the batch)"
         )
-    if head_dim % 2:
-        raise ValueError(f"triton_attention: head_dim={head_dim} must be even (rotary pairs)")
-    expected = (batch, length, head_dim // 2)
-    if tuple(A.shape) != expected or tuple(D.shape) != expected:
-        raise ValueError(f"triton_attention: A {tuple(A.shape)}, D {tuple(D.shape)} must be {expected}")
     if A.requires_grad or D.requires_grad:
         raise NotImplementedError(
             "triton_attention: gradients w.r.t. A, D (coordinate='mlp') are not implemented in the "
-            "fused kernel; use mdlmpe backend 'blocked' with a learned coordinate"
+            "fused kernel; use attention backend 'blocked' with a learned coordinate"
         )
-    if key_valid is not None and tuple(key_valid.shape) != (batch, length):
-        raise ValueError(f"triton_attention: key_valid {tuple(key_valid.shape)} must be {(batch, length)}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(
-            f"triton_attention: block_size={block_size} (mdlmpe.triton_tile) must be a power of 2"
-        )
+    if block_size & (block_size - 1):
+        raise ValueError(f"triton_attention: block_size={block_size} (attention.tile) must be a power of 2")
     if not _interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
         raise ValueError(
-            f"triton_attention: block_size={block_size} (mdlmpe.triton_tile) must be in [16, {MAX_GPU_TILE}] "
+            f"triton_attention: block_size={block_size} (attention.tile) must be in [16, {MAX_GPU_TILE}] "
             "on a GPU; the correction tile lives in registers (None picks the one that fits)"
-        )
-    if phase.w1.shape[1] != head_dim // 2 or phase.w2.shape[0] != len(mdlmpe_pairs(head_dim // 2)):
-        raise ValueError(
-            f"triton_attention: phase MLP W1 {tuple(phase.w1.shape)}, W2 {tuple(phase.w2.shape)} do not "
-            f"match head_dim={head_dim}"
         )
 
 
@@ -325,7 +312,7 @@ def triton_attention(
     check_triton_available()
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(
-            f"mdlmpe backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
+            f"attention backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
             "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
         )
     config = resolve_launch(

@@ -85,7 +85,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
     if head_dim > 128:
         raise ValueError(
             f"triton launch config: d_h={head_dim} has no checked launch settings (d_h <= 128 only); "
-            "use mdlmpe backend 'blocked'"
+            "use attention backend 'blocked'"
         )
     if capability not in CHECKED_CAPABILITIES and capability not in _warned:
         _warned.add(capability)

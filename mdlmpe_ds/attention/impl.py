@@ -1,0 +1,60 @@
+"""How MDLMPE attention is computed on this run: a run-time choice, never part of the model.
+
+Every implementation gives the spec's numbers (attention/reference.py), so the choice lives in the
+run configuration (its ``attention`` section) and is passed when the model is built
+(``DiffusionLM(config, impl=AttentionImpl(...))``); it is not stored in the model's config, its
+checkpoints or an exported model, and a run may resume with another one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
+# call from the tensors' device and logged (attention.choose_backend).
+ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton")
+
+
+@dataclass
+class AttentionImpl:
+    """Backend and its tuning. ``query_block``: query rows per block of the blocked path (an upper
+    bound in eager mode on the CPU, see blocked.eager_block_rows). ``tile``: the fused Triton
+    kernel's query / key tile, a power of 2 no larger than 64 (on a GPU at least 16); None: the
+    tile that fits the GPU for the head size and dtype. ``compile``: run the blocked path's pieces
+    through torch.compile (same numbers; one graph per distinct shape)."""
+
+    backend: str = "auto"
+    query_block: int = 128
+    tile: int | None = None
+    compile: bool = False
+
+    def validate(self) -> AttentionImpl:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"attention: {key}={getattr(self, key)!r} {why}")
+
+        if self.backend not in ATTENTION_BACKENDS:
+            raise bad("backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.query_block < 1:
+            raise bad("query_block", "must be >= 1")
+        tile = self.tile
+        if tile is not None and not (1 <= tile <= 64 and tile & (tile - 1) == 0):
+            raise bad("tile", "must be None (per GPU) or a power of 2 no larger than 64")
+        return self
+
+    @property
+    def keeps_pair_tensors(self) -> bool:
+        """Whether the attention keeps O(L^2) pair tensors for backward (the reference only); every
+        other backend recomputes them per block or tile, so layer checkpointing may leave it out."""
+        return self.backend == "reference"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AttentionImpl:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"attention: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data).validate()
