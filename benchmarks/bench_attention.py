@@ -1,6 +1,6 @@
 """Forward+backward cost of the blocked MDLMPE attention relative to plain RoPE SDPA.
 
-Toy layer (shared/PERF.md): B = 1, 8 query heads, d_h = 64, fp32, one thread. For every
+Toy layer (docs/method.md "Cost and precision"): B = 1, 8 query heads, d_h = 64, fp32, one thread. For every
 configuration the RoPE baseline (``scaled_dot_product_attention`` on rotated q, k) and the MDLMPE
 method run in the same process, so the ratio is what to read (absolute times on a shared machine
 are noisy). Columns:

@@ -1,4 +1,4 @@
-"""GPU benchmark of one MDLMPE attention layer (issue 8): fused Triton kernel vs the blocked PyTorch
+"""GPU benchmark of one MDLMPE attention layer: fused Triton kernel vs the blocked PyTorch
 path vs RoPE through flash ``scaled_dot_product_attention``, fwd + bwd, all in one run.
 
 Defaults are one LLaDA-8B layer (32 query = KV heads, d_h 128, bf16, all heads with MDLMPE) at
@@ -21,7 +21,7 @@ Without a GPU, ``--compile-only`` compiles the two kernels ahead of time for ``-
 H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as the launcher
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
-Targets (issue 8): Triton fwd+bwd <= 20x flash RoPE at L = 2048 (ideal ~13x), whole-step <= 2.3x,
+Targets: Triton fwd+bwd <= 20x flash RoPE at L = 2048 (ideal ~13x), whole-step <= 2.3x,
 extra memory independent of L^2.
 """
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from mdlmpe_ds.attention.common import rope_attention
 from mdlmpe_ds.pe.phase import PhaseMLP
 
-# LLaDA-8B (../shared/MODELS.md §1.1).
+# LLaDA-8B (docs/models.md §1.1).
 LLADA = dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=12288, vocab=126464)
 
 

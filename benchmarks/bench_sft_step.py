@@ -16,12 +16,12 @@ above the RSS before it: activations, gradients and transients; the optimizer st
 The step runs on the bare module (no DeepSpeed: the engine's per-step overhead is the same for both
 encodings). The vocabulary defaults to 4,096 so the LM head does not hide the attention cost; pass
 --vocab 151680 for the demo's Qwen2.5 vocabulary.
-Target (issue 4): MDLMPE <= 3x RoPE step time and <= 1.5x its peak memory.
+Target: MDLMPE <= 3x RoPE step time and <= 1.5x its peak memory.
 
     python benchmarks/bench_sft_step.py --lora               # LoRA vs full fine-tune
 
 With --lora the MDLMPE model is stepped twice in one process, fully fine-tuned and with LoRA
-(default spec r=16,alpha=32,dropout=0.05 on all seven projections; --lora SPEC picks another): the
+(default spec r=16,alpha=32,dropout=0.05 on all seven projections; another --lora value picks another): the
 AdamW state is measured as the bytes of the optimizer's tensors after the warm-up steps (what ZeRO-3
 shards), with the gradient bytes of the trainable parameters and the step time; printed as LoRA / full
 ratios.
@@ -194,7 +194,7 @@ def main() -> int:
         nargs="?",
         const="r=16,alpha=32,dropout=0.05",
         default=None,
-        metavar="SPEC",
+        metavar="LORA",
         help="compare LoRA (this --lora spec) with the full fine-tune: optimizer memory, grads, time",
     )
     args = parser.parse_args()

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# LLaDA-8B (../shared/MODELS.md §1.1).
+# LLaDA-8B (docs/models.md §1.1).
 LLADA = dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=12288, vocab=126464)
 
 # H100 SXM (sm_90): 132 SMs, boost clock 1.755 GHz (NVIDIA H100 whitepaper). Per SM per clock, in

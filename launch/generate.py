@@ -11,7 +11,7 @@ complete ZeRO-3 checkpoint is consolidated in-process. The tokenizer is the dire
 run's recorded tokenizer, or --tokenizer. --template renders a prompt as one user turn of the model's
 chat template; --chat keeps a multi-turn conversation (previous answers without their EOS).
 --show_steps prints the response after every denoising step (masks shown as the mask token).
-Sampler options are ``diffusion.sampling.SamplerConfig``'s (MODELS.md §4).
+Sampler options are ``diffusion.sampling.SamplerConfig``'s (docs/models.md §4).
 """
 
 from __future__ import annotations

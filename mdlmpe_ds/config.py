@@ -165,7 +165,7 @@ class TrainConfig:
     # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
     # Dream: 1/t / CART weighting normalised by masked-token count).
     loss: str = "auto"
-    # Dream's official SFT weighting is CART with p = 0.1 (MODELS.md §3.5).
+    # Dream's official SFT weighting is CART with p = 0.1 (docs/models.md §3.5).
     dream_weighting: str = "cart"
     cart_p: float = 0.1
     noise_eps: float = 1e-3

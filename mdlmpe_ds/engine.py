@@ -28,7 +28,7 @@ from mdlmpe_ds.config import RunConfig
 
 
 def _deepspeed():
-    """Import deepspeed lazily (no work at import time) with the CPU traps of ENV.md handled."""
+    """Import deepspeed lazily (no work at import time) with the known CPU traps handled (below)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -298,7 +298,8 @@ def check_param_dtypes(model: torch.nn.Module, expected: torch.dtype) -> None:
 
 
 def init_mdlmpe_parameters(model: torch.nn.Module) -> None:
-    """Re-run the MDLMPE initialisation (SPEC §2) on the gathered parameters, rank 0's values kept.
+    """Re-run the MDLMPE initialisation (docs/method.md "Initialisation") on the gathered parameters, rank 0's
+    values kept.
 
     Construction already gives these values; this makes every rank hold rank 0's draw of the
     randomly initialised MDLMPE layers (W1, W_p) before pretrained weights are streamed in.

@@ -147,9 +147,9 @@ def attention_transient_bytes(
     """Working memory of one layer's attention beyond the per-token terms (transient, one layer at
     a time): the blocked MDLMPE path's fp32 pair tensors of one query block of C rows, about 12
     [B, C, |M|, L] fp32 tensors at the peak of its backward (alpha, beta, their gradients, the
-    phase MLP's pieces; measured ~1.5 KB x C x L at d_h = 128, cf. shared/PERF.md's 1.4-1.7 KB).
-    SDPA and the Triton kernel tile on chip; paths that save their pair tensors count them per
-    token (``_pair_bytes_saved``)."""
+    phase MLP's pieces; measured ~1.5 KB x C x L at d_h = 128, cf. the 1.4-1.7 KB of docs/method.md
+    "Cost and precision"). SDPA and the Triton kernel tile on chip; paths that save their pair tensors count
+    them per token (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
     impl = _backend_on(impl or AttentionImpl(), device)

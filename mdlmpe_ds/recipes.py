@@ -1,7 +1,7 @@
-"""The paper's recipes as one flag: ``--recipe NAME`` (issue 17 "Recipes").
+"""The paper's recipes as one flag: ``--recipe NAME``.
 
 A recipe is a set of training-config values, each with the place that states it (the paper's
-Appendix B.3 / B.4, or MODELS.md for what the paper leaves open). It sits under the config file
+Appendix B.3 / B.4, or docs/models.md for what the paper leaves open). It sits under the config file
 and the command line (``build_config(defaults=...)``): any key given there wins, and the launcher
 prints every value the recipe set and which ones were overridden.
 
@@ -41,11 +41,11 @@ _SFT_COMMON: dict[str, tuple[Any, str]] = {
     "optim.lr": (2e-5, B4),
     "train.epochs": (5.0, B4),
     "train.max_steps": (None, B4 + " (five epochs decide the length)"),
-    "train.head_schedule": (True, B4 + " Eq. sft_head_warmup"),
+    "train.head_schedule": (True, B4 + " Eq. (27)"),
     "train.precision": ("bf16", B4 + " (bfloat16)"),
-    "optim.cosine": (True, "MODELS.md §6 (dllm: cosine)"),
-    "optim.warmup_ratio": (0.1, "MODELS.md §3.5, §6 (warmup 0.1)"),
-    "model.gradient_checkpointing": (True, "MODELS.md §6.1 (8B memory)"),
+    "optim.cosine": (True, "docs/models.md §6 (dllm: cosine)"),
+    "optim.warmup_ratio": (0.1, "docs/models.md §3.5, §6 (warmup 0.1)"),
+    "model.gradient_checkpointing": (True, "docs/models.md §6.1 (8B memory)"),
 }
 
 _PRETRAIN_100M: dict[str, tuple[Any, str]] = {
@@ -69,10 +69,10 @@ RECIPES: dict[str, Recipe] = {
         "llada-8b-sft",
         "sft",
         {
-            "model.model_name_or_path": ("GSAI-ML/LLaDA-8B-Base", "MODELS.md §6 (dllm SFT starts from Base)"),
+            "model.model_name_or_path": ("GSAI-ML/LLaDA-8B-Base", "docs/models.md §6 (dllm: SFT from Base)"),
             **_SFT_COMMON,
-            "data.multiturn": ("sample", "MODELS.md §3.2 (LLaDA App. B.1: one sampled turn)"),
-            "data.max_len": (1024, "MODELS.md §6 (dllm --max_length 1024)"),
+            "data.multiturn": ("sample", "docs/models.md §3.2 (LLaDA App. B.1: one sampled turn)"),
+            "data.max_len": (1024, "docs/models.md §6 (dllm --max_length 1024)"),
             "train.output_dir": ("outputs/llada-8b-sft", "choice"),
         },
     ),
@@ -80,16 +80,16 @@ RECIPES: dict[str, Recipe] = {
         "dream-7b-sft",
         "sft",
         {
-            "model.model_name_or_path": ("Dream-org/Dream-v0-Base-7B", "MODELS.md §3.5 (Dream-train)"),
+            "model.model_name_or_path": ("Dream-org/Dream-v0-Base-7B", "docs/models.md §3.5 (Dream-train)"),
             **_SFT_COMMON,
-            "data.multiturn": ("last", "MODELS.md §3.5 (response = last answer)"),
-            "data.max_len": (2048, "MODELS.md §3.5"),
-            "data.perbatch_cutoff": ("random_with_input_pad", "MODELS.md §3.5"),
-            "train.dream_weighting": ("cart", "MODELS.md §3.5 (official time_reweighting=cart)"),
-            "train.cart_p": (0.1, "MODELS.md §3.5"),
-            "optim.betas": ((0.9, 0.95), "MODELS.md §3.5"),
-            "optim.weight_decay": (0.01, "MODELS.md §3.5"),
-            "optim.clip": (1.0, "MODELS.md §3.5"),
+            "data.multiturn": ("last", "docs/models.md §3.5 (response = last answer)"),
+            "data.max_len": (2048, "docs/models.md §3.5"),
+            "data.perbatch_cutoff": ("random_with_input_pad", "docs/models.md §3.5"),
+            "train.dream_weighting": ("cart", "docs/models.md §3.5 (official time_reweighting=cart)"),
+            "train.cart_p": (0.1, "docs/models.md §3.5"),
+            "optim.betas": ((0.9, 0.95), "docs/models.md §3.5"),
+            "optim.weight_decay": (0.01, "docs/models.md §3.5"),
+            "optim.clip": (1.0, "docs/models.md §3.5"),
             "train.output_dir": ("outputs/dream-7b-sft", "choice"),
         },
     ),

@@ -3,7 +3,7 @@
 What is trained is a task (``mdlmpe_ds/tasks``: batches, corruption, loss); this loop is the same
 for SFT and pretraining. One optimizer update n (0-based) is:
   1. set the MDLMPE active KV heads to the first round(alpha(n) * H_kv) of the nested order
-     (paper Eq. sft_head_warmup) -- per update, not per micro-batch;
+     (paper Eq. (27)) -- per update, not per micro-batch;
   2. for each of grad_accum micro-batches: the task's corruption, forward and loss; backward;
   3. DeepSpeed's step at the accumulation boundary (clipping, AdamW, lr scheduler). A non-finite
      gradient norm makes ZeRO-3 skip the update (and the lr scheduler) on every rank alike; we count
@@ -81,7 +81,7 @@ def mdlmpe_stats(module: torch.nn.Module) -> dict[str, float]:
     """gamma of the embedding path and |delta| statistics of every layer's phase MLP.
 
     |delta| is evaluated on a fixed sample of pair features s ~ U(-pi/2, pi/2)^F (the range of s,
-    Eq. clipped_angle_bound), i.e. the size of the learned residual over its input domain, not on a
+    Eq. (37)), i.e. the size of the learned residual over its input domain, not on a
     training batch (that would need the L x L pair tensor). Collective under ZeRO-3 (gathers the
     small MDLMPE parameters on every rank); call on log steps only.
     """
@@ -290,7 +290,7 @@ class Trainer:
                     break
         finally:
             self.tracker.close()
-        if self.uses_mdlmpe:  # all heads at the end and at inference (SPEC §2)
+        if self.uses_mdlmpe:  # all heads at the end and at inference (docs/method.md "Head schedule")
             self.engine.module.set_active_kv_heads(
                 torch.ones(self.model_config.num_kv_heads, dtype=torch.bool)
             )

@@ -29,7 +29,7 @@ from mdlmpe_ds.analysis.mechanism import Geometry, MechanismResult
 
 FIGURES = ("topologies", "envelope", "transfer", "jacobian", "ratio_angle", "boundary")
 
-# Paper defaults per figure (Appendix F preamble; Figure canonical_topologies caption).
+# Paper defaults per figure (Appendix F preamble; Figure 4 caption).
 _FIGURE_GEOMETRY: dict[str, dict[str, float]] = {
     "topologies": {"length": 256, "window_ratio": 3 / 16},
     "envelope": {"length": 1024, "window_ratio": 3 / 16},

@@ -2,10 +2,9 @@
 for one input and mask state, and how delta moves across the steps of one generation.
 
 What "gamma per layer" means here: the model has ONE embedding gate gamma = gamma_max sigmoid(g)
-(Eq. embedding_injection, in the shared encoder), and one phase MLP per attention layer (Eq.
-phase_mlp). So the per-layer numbers are the phase-MLP statistics (mean / max |delta| over all
-(i, j, f in F_MDLMPE), and ||W2||_F), reported next to the single gamma and the relative size of the
-embedding perturbation ||gamma z_i|| / ||e_i||.
+(Eq. (11), in the shared encoder), and one phase MLP per attention layer (Eq. (25)). So the per-layer numbers
+are the phase-MLP statistics (mean / max |delta| over all (i, j, f in F_MDLMPE), and ||W2||_F), reported next
+to the single gamma and the relative size of the embedding perturbation ||gamma z_i|| / ||e_i||.
 
 Two ways to produce "one generation" (``--schedule``):
 
@@ -104,8 +103,8 @@ def state_diagnostics(
     """delta_{ij,m} of every layer for one state [1, L], from the model's own encoder and phase MLPs.
 
     The encoder's features (b, A, D) are computed once, as in the forward, and each layer's
-    ``PhaseMLP`` is evaluated on all (i, j) pairs with ``pair_phase`` (Eqs. pair_availability_ratio,
-    mdangle, phase_mlp): L^2 |M| floats per layer at a time. Statistics are kept for every layer, the
+    ``PhaseMLP`` is evaluated on all (i, j) pairs with ``pair_phase`` (Eqs. (23),
+    (24), (25)): L^2 |M| floats per layer at a time. Statistics are kept for every layer, the
     full residual only for ``layers`` x ``columns`` (MDLMPE columns m, not rotary pair indices).
     """
     _require_mdlmpe(model)

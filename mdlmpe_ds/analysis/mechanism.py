@@ -1,4 +1,4 @@
-"""The numbers behind the paper's deterministic mechanism figures (Figure canonical_topologies and
+"""The numbers behind the paper's deterministic mechanism figures (Figure 4 and
 Appendix F), evaluated with the package's own encoder functions.
 
 Every quantity here comes from ``mdlmpe_ds.pe`` (``dense_weights``, ``sine_basis``,
@@ -29,7 +29,7 @@ JSON_MAX_MATRIX = 512 * 512
 
 @dataclass(frozen=True)
 class Geometry:
-    """One encoder geometry: W and sigma come from ``MDLMPEConfig`` (Eq. main_gaussian), so a
+    """One encoder geometry: W and sigma come from ``MDLMPEConfig`` (Eq. (2)), so a
     figure uses exactly the window the trainer would use for L_ref = ``length``."""
 
     length: int
@@ -144,7 +144,7 @@ def _check_pair(geometry: Geometry, pair: int) -> int:
     return pair
 
 
-# --- Figure canonical_topologies ---------------------------------------------------------------
+# --- Figure 4 ---------------------------------------------------------------
 
 
 def topology_masks(length: int, density: float, target: int) -> dict[str, torch.Tensor]:
@@ -182,7 +182,7 @@ def topology_masks(length: int, density: float, target: int) -> dict[str, torch.
 
 
 def topologies(geometry: Geometry, density: float = 0.25, target: int | None = None) -> MechanismResult:
-    """Equal-density masks give distinct r_{i,f} vectors at one target (Figure canonical_topologies)."""
+    """Equal-density masks give distinct r_{i,f} vectors at one target (Figure 4)."""
     geometry.validate()
     target = _check_target(geometry, target)
     masks = topology_masks(geometry.length, density, target)
@@ -216,8 +216,8 @@ def topologies(geometry: Geometry, density: float = 0.25, target: int | None = N
 
 
 def source_contributions(geometry: Geometry, target: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha_{i,t,f} = w_{i,t} c_{t,f} / sum_u w_{i,u} c_{u,f} for one target i (Eq.
-    normalized_source_contribution, the eps -> 0 limit), and the support mask w_{i,t} > 0.
+    """alpha_{i,t,f} = w_{i,t} c_{t,f} / sum_u w_{i,u} c_{u,f} for one target i (Eq. (34), the eps -> 0
+    limit), and the support mask w_{i,t} > 0.
 
     Returns alpha [L, F] and support [L] bool. w from ``dense_weights`` (all valid), c from
     ``sine_basis``.
@@ -333,7 +333,7 @@ def jacobian_row(geometry: Geometry, target: int) -> torch.Tensor:
 
 def jacobian(geometry: Geometry, target: int | None = None) -> MechanismResult:
     """The single-state influence ||d u_i / d b_t|| = w_{i,t} ||c_t|| against w_{i,t} sqrt(F)
-    (Eqs. single_state_influence, jacobian_local_bound; Appendix F.3).
+    (Eqs. (19), (35); Appendix F.3).
 
     The matrix is w_{i,t} ||c_t|| with w from ``dense_weights``; the centre row is also taken by
     autograd through ``token_summaries`` (b requires grad) and the two are compared in ``checks``.
@@ -389,7 +389,7 @@ def ratio_grid(clip_kappa: float, points: int = 1001) -> torch.Tensor:
 
 def ratio_angle(clip_kappa: float = 1e-4, points: int = 1001) -> MechanismResult:
     """q = arccos(2r - 1), the product's clipped s = ``angularize(r, kappa)`` and |ds/dr| by autograd,
-    against the exact 1 / sqrt(r (1 - r)) (Eqs. mdangle, ratio_angle_derivative, clipped_angle_bound).
+    against the exact 1 / sqrt(r (1 - r)) (Eqs. (24), (36), (37)).
 
     ``angularize`` clips 2r - 1 to [-1 + kappa, 1 - kappa], i.e. r to [kappa/2, 1 - kappa/2]; inside
     that range its derivative is exact, outside it is 0 (the clip), so the sensitivity is bounded by
@@ -439,7 +439,7 @@ def ratio_angle(clip_kappa: float = 1e-4, points: int = 1001) -> MechanismResult
 
 def boundary(geometry: Geometry) -> MechanismResult:
     """Raw truncated-Gaussian row mass, the normalised kernels at the left edge, centre and right
-    edge, and r for the all-masked / all-revealed states at every position (Appendix F.5, Eq. normalize).
+    edge, and r for the all-masked / all-revealed states at every position (Appendix F.5, Eq. (22)).
     """
     geometry.validate()
     length = geometry.length
@@ -472,7 +472,7 @@ def boundary(geometry: Geometry) -> MechanismResult:
 
 
 def _raw_row_mass(length: int, taps: torch.Tensor) -> torch.Tensor:
-    """sum_u g(i - u) over u in [0, L) for every i: the unnormalised mass of Eq. gaussian. [L]."""
+    """sum_u g(i - u) over u in [0, L) for every i: the unnormalised mass of Eq. (21). [L]."""
     window = (taps.numel() - 1) // 2
     pos = torch.arange(length)
     offsets = pos.view(1, -1) - pos.view(-1, 1)  # [L, L]

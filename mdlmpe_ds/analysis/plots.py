@@ -90,7 +90,7 @@ def _geometry_title(settings: dict) -> str:
 
 
 def draw_topologies(figure: Figure, result: MechanismResult) -> None:
-    """Figure canonical_topologies: (a) the four equal-density masks, (b) their r_{i,f} vectors."""
+    """Figure 4: (a) the four equal-density masks, (b) their r_{i,f} vectors."""
     settings = result.settings
     masks, vectors = _np(result, "masks"), _np(result, "r_at_target")
     target, window = settings["target"], settings["window"]

@@ -1,20 +1,18 @@
 """Blocked MDLMPE attention: the PyTorch training path (paper Appendix D).
 
 Same signature and numbers as :func:`mdlmpe_ds.attention.reference.reference_attention`, but the
-L x L x F pair tensor is never formed. The logit is written as RoPE plus a correction (Eq.
-main_final_angle expanded):
+L x L x F pair tensor is never formed. The logit is written as RoPE plus a correction (Eq. (7) expanded):
 
     S_ij = (q_i . k_j + E_ij) / sqrt(d_h),
     E_ij = sum_{f in M} alpha_ijf (q1 k1 + q2 k2)_f + beta_ijf (q2 k1 - q1 k2)_f,
     alpha = cos(delta) - 1 = -2 sin^2(delta / 2),  beta = sin(delta),
 
 which is q^T R(delta) k with R(delta) = [[cos, -sin], [sin, cos]] on the pair (dim f, dim f + F).
-The plain term stays one matmul over all of d_h; only E needs the pair phases delta_ij (Eq.
-app_pair_phase). Queries run in blocks of C rows, each one :class:`~mdlmpe_ds.attention.blocked_math.
-BlockAttention` (its maths and backward live in :mod:`mdlmpe_ds.attention.blocked_math`): a block
-keeps only its output and log-sum-exp for backward and recomputes the rest, so the extra live
-memory is O(C L F) instead of O(L^2 F). Inactive heads never enter the pair path; they are plain
-RoPE SDPA over the whole sequence.
+The plain term stays one matmul over all of d_h; only E needs the pair phases delta_ij (Eq. (26)). Queries run
+in blocks of C rows, each one :class:`~mdlmpe_ds.attention.blocked_math. BlockAttention` (its maths and
+backward live in :mod:`mdlmpe_ds.attention.blocked_math`): a block keeps only its output and log-sum-exp for
+backward and recomputes the rest, so the extra live memory is O(C L F) instead of O(L^2 F). Inactive heads
+never enter the pair path; they are plain RoPE SDPA over the whole sequence.
 
 ``compile=True`` runs the same pieces through torch.compile. Graphs are specialised on shapes
 (``dynamic=False``): each distinct (B, active heads, L) compiles once per piece (every block of a

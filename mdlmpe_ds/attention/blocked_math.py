@@ -7,7 +7,7 @@ recomputes the pair coefficients alpha, beta and the scores from those and write
 with hand-derived formulas:
 
 - region 1 (:func:`coefficients`, :func:`coefficients_vjp`): alpha, beta [B, C, |M|, L] from the
-  block's rows of A, D through Eqs. 4-5 and the phase MLP (Eq. phase_mlp), shared by every head;
+  block's rows of A, D through Eqs. (4)-(5) and the phase MLP (Eq. (25)), shared by every head;
 - region 2 (:func:`attend_forward`, :func:`attend_backward`): the scores q.k + E, softmax and PV
   for every active head, and their gradients.
 
@@ -47,7 +47,7 @@ def _in_place(t: torch.Tensor) -> bool:
 def _phase_mlp_inputs(
     a_rows: torch.Tensor, d_rows: torch.Tensor, a_cols: torch.Tensor, d_cols: torch.Tensor, clip_kappa: float
 ) -> torch.Tensor:
-    """arcsin(x) [B, C, F, L] with x = clip(2 r_ij,f - 1) (Eqs. 4-5), for the block's rows a_rows,
+    """arcsin(x) [B, C, F, L] with x = clip(2 r_ij,f - 1) (Eqs. (4)-(5)), for the block's rows a_rows,
     d_rows [B, C, F] and every key a_cols, d_cols [B, F, L] (A, D transposed, contiguous: the key
     index is the fast axis).
 
@@ -129,7 +129,7 @@ def coefficients_for_backward(
     clip_kappa: float,
 ) -> tuple[torch.Tensor, ...]:
     """alpha, beta and what :func:`coefficients_vjp` needs: arcsin(x) = -s [B, C, F, L] and the
-    pre-activations u [B, C, H, L], z [B, C, |M|, L] (Eq. phase_mlp: u = W1 s + b1)."""
+    pre-activations u [B, C, H, L], z [B, C, |M|, L] (Eq. (25): u = W1 s + b1)."""
     asin_x = _phase_mlp_inputs(a_rows, d_rows, a_cols, d_cols, clip_kappa)  # [B, C, F, L]
     u = _rowwise_linear(-w1, asin_x, b1)
     z = _rowwise_linear(w2, F.silu(u), b2)

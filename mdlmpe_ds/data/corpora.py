@@ -64,7 +64,7 @@ NAMED_CORPORA: dict[str, NamedCorpus] = {
     "botchan": NamedCorpus("botchan", "", "paragraph", "Botchan (Gutenberg novel)"),
 }
 
-# The zero-shot evaluation set of the encoding comparison (issue 5, paper Table 2 analogue).
+# The zero-shot evaluation set of the encoding comparison (paper Table 2 analogue).
 EVAL_CORPORA = ("ptb", "enwiki-excerpt", "news-excerpt", "shakespeare-heldout")
 TABULAR_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -269,7 +269,7 @@ def _cache_key(source: dict[str, Any], tokenizer, options: dict[str, Any]) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mdlmpe_ds.data.corpora prepare SPEC --tokenizer T --store_dir D``: build the token
+    """``python -m mdlmpe_ds.data.corpora prepare CORPUS --tokenizer T --store_dir D``: build the token
     stores a pretraining run with these settings maps (training and held-out/evaluation roles), ahead
     of the run, so that its ranks do not wait for the build on the setup barrier."""
     import argparse

@@ -18,7 +18,7 @@ the start of the permutation.
 The micro-batch sequence does not depend on the world size, only on (seed, epoch, lengths,
 micro_batch_size, mega_batch_mult, group_size, drop_last, longest_first). The position is
 ``(epoch, micro_batches_consumed)``, the same on every rank, so "run k steps, save, resume in a
-fresh process" yields exactly the batches a straight run would have (STYLE.md habit 5), and a resume
+fresh process" yields exactly the batches a straight run would have, and a resume
 on a different number of ranks continues the same sequence at the same place (group_size is then
 taken from the checkpoint).
 """

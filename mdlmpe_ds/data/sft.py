@@ -1,6 +1,6 @@
 """SFT chat data: load, validate, render with the family's chat template, tokenise, truncate, collate.
 
-Conventions (MODELS.md §3.2, §3.5, §5; SPEC §4):
+Conventions (docs/models.md §3.2, §3.5, §5; docs/data.md §3):
 - Rows are ``{"messages": [{"role", "content"}, ...]}`` (Tulu-3, SmolTalk) or
   ``{"prompt": str, "response": str}`` (optional ``"system"``). Extra keys are ignored.
 - One example = (prompt, response). The prompt is ``template(messages[:k], add_generation_prompt=True)``
@@ -19,7 +19,7 @@ Conventions (MODELS.md §3.2, §3.5, §5; SPEC §4):
   (``overlong="drop"``); an example whose prompt alone leaves no room for one response token is
   dropped. Both are counted in ``SFTDataStats`` and logged.
 - Padding (``SFTCollator``): right-padding with EOS, which LLaDA and official Dream SFT attend to and
-  train on: the pads are part of the answer, maskable and in the loss (MODELS.md §3.2, §3.5).
+  train on: the pads are part of the answer, maskable and in the loss (docs/models.md §3.2, §3.5).
   Optionally Dream-train's per-batch cutoff: prompts left-padded to the batch's longest (those
   pads are never attended nor trained) and every response cut to one length drawn from the batch.
 """
@@ -380,7 +380,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
 
 def eos_pad_id(tokenizer: Any) -> int:
-    """The EOS id, which is also the padding id for LLaDA and Dream SFT (MODELS.md §3.2, §3.5)."""
+    """The EOS id, which is also the padding id for LLaDA and Dream SFT (docs/models.md §3.2, §3.5)."""
     if tokenizer.eos_token_id is None:
         name = getattr(tokenizer, "name_or_path", "")
         raise ValueError(f"tokenizer {name!s} has no eos_token; SFT pads with EOS")

@@ -3,7 +3,7 @@
 Two kinds:
 
 * the exact **Qwen2.5 / Dream-7B** tokenizer, rebuilt from the ``qwen.tiktoken`` rank file that
-  registry packages ship (see ``shared/ASSETS.md`` (d)): byte-level BPE whose ids are the tiktoken
+  registry packages ship (see docs/data.md §2): byte-level BPE whose ids are the tiktoken
   ranks, merges recovered from the ranks, Qwen2's pre-tokenizer regex, an NFC normalizer, the 22
   Qwen2.5 added tokens from 151643, then Dream's ``<|beginoftext|>`` = 151665 and ``<|mask|>`` = 151666;
 * small **SentencePiece** tokenizers trained on a local corpus for from-scratch runs, with
@@ -62,7 +62,7 @@ QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 DREAM_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (("<|beginoftext|>", True), ("<|mask|>", True))
 QWEN25_FIRST_ADDED_ID = 151643
 
-# Qwen2.5 ChatML with Dream's default system prompt (MODELS.md §5 Dream); honours add_generation_prompt.
+# Qwen2.5 ChatML with Dream's default system prompt (docs/models.md §5 Dream); honours add_generation_prompt.
 QWEN25_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

@@ -1,7 +1,7 @@
 """Block diffusion: which response positions the model sees, for sampling and for SFT (paper §3.4).
 
 A response of length R is cut into blocks of ``block_size`` tokens, denoised one after the other
-(semi-autoregressive). Two regimes (paper Figure block_access, SPEC §4 "Block diffusion"):
+(semi-autoregressive). Two regimes (paper Figure 6, docs/method.md "Block diffusion"):
 
 - ``full`` (LLaDA-style): the whole partially denoised response is visible; blocks after the active
   one are present as mask tokens (a_t = 1, b_t = 0).

@@ -3,11 +3,11 @@
 One noise level per sequence: u ~ U(0, 1), t = (1 - eps) * u + eps, i.e. t ~ U(eps, 1), and each
 maskable token is masked independently with probability p_mask = t (linear schedule alpha_t = 1 - t).
 This is exactly LLaDA's ``forward_process`` (p_mask = (1 - eps) t' + eps with t' ~ U(0, 1),
-eps = 1e-3; MODELS.md §3.1) and Dream-train's ``q_sample`` for eps = 0 (MODELS.md §3.5).
+eps = 1e-3; docs/models.md §3.1) and Dream-train's ``q_sample`` for eps = 0 (docs/models.md §3.5).
 Tokens that are not maskable (prompt, and padding when it is not trained) are never masked.
 
 Noise comes from ``noise_generator(seed, rank, step)`` so a resumed run redraws exactly the masks it
-would have drawn, and ranks draw different masks (STYLE.md habit 10).
+would have drawn, and ranks draw different masks.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ T_SAMPLING = ("iid", "antithetic", "stratified")
 
 def scored_positions(valid: torch.Tensor, family: str) -> torch.Tensor:
     """Positions a model of ``family`` can be scored on: every valid token; for Dream not position
-    0, which its shifted logits cannot predict (MODELS.md §2.3). [B, L] bool."""
+    0, which its shifted logits cannot predict (docs/models.md §2.3). [B, L] bool."""
     scored = valid.clone()
     if family == "dream":
         scored[:, 0] = False
@@ -121,7 +121,7 @@ def sequence_losses(
 
     input_ids [B, L] long, valid [B, L] bool (padding False), data_index [B] long; ``maskable``
     [B, L] bool (default ``valid``): the scored positions, e.g. all but a Dream BOS at position 0,
-    which its shifted logits cannot predict (MODELS.md §2.3).
+    which its shifted logits cannot predict (docs/models.md §2.3).
     ``model_fn(masked_ids, valid) -> logits [B, L, V]`` aligned (``shift=True`` realigns Dream-style).
     """
     group = replicate_group(t_sampling, group_size)

@@ -1,4 +1,4 @@
-"""Masked-diffusion training losses of LLaDA and Dream (MODELS.md §3.1, §3.2, §3.5).
+"""Masked-diffusion training losses of LLaDA and Dream (docs/models.md §3.1, §3.2, §3.5).
 
 All take ALIGNED logits [B, L, V]: logit i predicts token i. Dream's shift (the logit at i-1
 predicts token i) is applied inside the model, so the losses are the same code for both families.
@@ -118,7 +118,7 @@ def llada_sft_loss(
     p_mask: torch.Tensor,
     answer_len: torch.Tensor,
 ) -> tuple[torch.Tensor, LossStats]:
-    """LLaDA SFT: (1/B) Σ_b Σ_{i masked in b} CE_bi / p_b / answer_len_b (MODELS.md §3.2).
+    """LLaDA SFT: (1/B) Σ_b Σ_{i masked in b} CE_bi / p_b / answer_len_b (docs/models.md §3.2).
 
     ``answer_len`` [B] counts the row's maskable tokens INCLUDING its EOS padding (``SFTCollator``'s
     ``answer_len``); ``p_mask`` [B] is the row's mask probability. B counts every row, masked or not.
@@ -140,7 +140,8 @@ def llada_sft_loss(
 def llada_pretrain_loss(
     logits: torch.Tensor | ScoredCE, targets: torch.Tensor, masked: torch.Tensor, p_mask: torch.Tensor
 ) -> tuple[torch.Tensor, LossStats]:
-    """LLaDA pretraining: Σ_{masked} CE / p_b, divided by B·L, all tokens masked or not (MODELS.md §3.1)."""
+    """LLaDA pretraining: Σ_{masked} CE / p_b, divided by B·L, all tokens masked or not (docs/models.md
+    §3.1)."""
     ce, rows = masked_cross_entropy(logits, targets, masked)
     B, L = targets.shape
     if p_mask.shape != (B,):
@@ -151,7 +152,7 @@ def llada_pretrain_loss(
 
 
 def cart_weights(masked: torch.Tensor, p: float = 0.1, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """CART weights w_i = Σ_{j≠i, j unmasked, j valid} ½·p·(1−p)^{|i−j|−1} (MODELS.md §3.5). fp32 [B, L].
+    """CART weights w_i = Σ_{j≠i, j unmasked, j valid} ½·p·(1−p)^{|i−j|−1} (docs/models.md §3.5). fp32 [B, L].
 
     A symmetric geometric kernel over the distance to every unmasked token (prompt included): a
     masked token with much revealed context nearby gets a larger weight. Independent of t.
@@ -184,7 +185,7 @@ def dream_sft_loss(
     cart_p: float = 0.1,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Dream SFT (Dream-train): Σ_{masked} w_i·CE_i / (number of masked tokens) (MODELS.md §3.5).
+    """Dream SFT (Dream-train): Σ_{masked} w_i·CE_i / (number of masked tokens) (docs/models.md §3.5).
 
     ``weighting``: ``original`` w = 1/t (row's t), ``linear`` w = 1 − t, ``cart`` w = ``cart_weights``
     (``cart_p``, context = unmasked and ``valid`` tokens), ``none`` w = 1. ``maskable`` [B, L] is

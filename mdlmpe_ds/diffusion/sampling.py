@@ -10,7 +10,7 @@ aligned (Dream's shift is applied inside ``DiffusionLM.forward``).
 
 Layout of a batch: row r is ``[prompt_r, gen_length masks, padding]``; padding is only at the end
 and is invalid (never attended, a_t = 0). Every real token therefore sits at the position it would
-have alone, which keeps RoPE, absolute embeddings and MDLMPE's absolute sine basis (SPEC §2 "Token
+have alone, which keeps RoPE, absolute embeddings and MDLMPE's absolute sine basis (docs/method.md "Token
 summaries") unchanged by batching; left padding would shift MDLMPE's features. Randomness comes from
 one generator per row seeded from that row's seed, so a batch gives the rows' single-prompt results.
 
@@ -46,7 +46,7 @@ _SEED_STREAM = 0x53414D50  # "SAMP": keeps sampling streams apart from training-
 
 @dataclass
 class SamplerConfig:
-    """Sampler options (MODELS.md §4). Defaults are LLaDA's ``generate()`` defaults.
+    """Sampler options (docs/models.md §4). Defaults are LLaDA's ``generate()`` defaults.
 
     ``block_length`` None = one block of ``gen_length``; ``steps`` must be a multiple of the number
     of blocks. ``schedule`` 'auto' = 'linear' (LLaDA) for ``low_confidence``/``random``, 'dream' for

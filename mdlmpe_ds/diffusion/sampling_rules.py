@@ -1,6 +1,6 @@
 """The per-step rules of masked-diffusion samplers: how many tokens to reveal, what to propose, how sure.
 
-Pure functions, used by ``sampling.generate`` (MODELS.md §4):
+Pure functions, used by ``sampling.generate`` (docs/models.md §4):
 
 - transfer schedules: how many masked tokens a block reveals at each of its steps;
   ``linear_transfer_counts`` is LLaDA's ``get_num_transfer_tokens`` (equal shares, remainder on the

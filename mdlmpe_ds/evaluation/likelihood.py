@@ -1,6 +1,6 @@
 """Conditional log-likelihood of a continuation given a context: the Monte-Carlo diffusion ELBO.
 
-LLaDA's estimator (MODELS.md §3.3, ``get_log_likelihood.py``): the context is never masked; each
+LLaDA's estimator (docs/models.md §3.3, ``get_log_likelihood.py``): the context is never masked; each
 Monte-Carlo row masks k of the T continuation tokens (positions uniformly at random), with k
 stratified over a batch (``linspace`` from a random start, wrapped into 1..T); a row contributes
 ``sum_masked CE * T / k`` and the estimate is ``-mean`` over rows. It lower-bounds log p(cont | ctx)

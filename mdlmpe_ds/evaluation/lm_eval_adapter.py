@@ -111,7 +111,8 @@ class MDLMPEEvalLM(LM):
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.check_greedy = _bool(check_greedy)
-        # Dream cannot predict position 0 (shifted logits), so its inputs start with a BOS (MODELS.md §2.3).
+        # Dream cannot predict position 0 (shifted logits), so its inputs start with a BOS (docs/models.md
+        # §2.3).
         self.add_bos = (cfg.family == "dream") if add_bos is None else _bool(add_bos)
         self.max_length = int(max_length) if max_length is not None else cfg.max_seq_len
         self.seed = int(seed)

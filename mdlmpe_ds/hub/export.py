@@ -1,4 +1,4 @@
-"""What turns a saved checkpoint directory into one the ecosystem can load (issue 17 "Names out").
+"""What turns a saved checkpoint directory into one the ecosystem can load.
 
 ``finish_export`` adds, next to config.json and the safetensors written by ``hf_io.save_pretrained``:
 1. ``modeling_mdlmpe.py`` and ``auto_map`` (``AutoModel`` / ``AutoModelForMaskedLM`` with

@@ -152,7 +152,8 @@ def _alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 class _MDLMPEMaths:
-    """The MDLMPE hyper-parameters of the ``mdlmpe_ds.mdlmpe`` block, with the SPEC §2 defaults."""
+    """The MDLMPE hyper-parameters of the ``mdlmpe_ds.mdlmpe`` block, with the defaults of docs/method.md
+    "Decisions the paper leaves open"."""
 
     def __init__(self, values: dict[str, Any], max_seq_len: int) -> None:
         self.window_ratio = float(values.get("window_ratio", 3 / 16))

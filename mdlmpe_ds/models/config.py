@@ -1,4 +1,4 @@
-"""The backbone configuration: one dataclass for both families (SPEC §3, MODELS.md §1).
+"""The backbone configuration: one dataclass for both families (docs/models.md §8, §1).
 
 LLaDA and Dream share one transformer; what differs between them is small and is derived from
 ``family`` here (biases, logit shift, RoPE precision, embedding padding row) instead of being
@@ -21,7 +21,7 @@ class ModelConfig:
     """Sizes, special ids and the position encoding of one bidirectional diffusion transformer.
 
     ``max_seq_len`` is the run's L_ref: the length of the learned table for ``absolute`` and the
-    reference length that fixes MDLMPE's window (SPEC §2 "Window"); ``mdlmpe.max_seq_len`` is kept
+    reference length that fixes MDLMPE's window (docs/method.md "Window"); ``mdlmpe.max_seq_len`` is kept
     equal to it (``validate`` refuses a mismatch instead of picking one silently).
     """
 
@@ -56,7 +56,7 @@ class ModelConfig:
         elif self.mdlmpe.max_seq_len == FOLLOW_MODEL:  # "not given": follow the model
             self.mdlmpe.max_seq_len = self.max_seq_len
 
-    # --- what the family decides (MODELS.md "Implications") ---
+    # --- what the family decides (docs/models.md §8) ---
     @property
     def qkv_bias(self) -> bool:
         """Dream (Qwen2 layout) has q/k/v biases; LLaDA has no bias anywhere."""
@@ -137,7 +137,7 @@ class ModelConfig:
             raise ValueError(
                 f"model config: mdlmpe.max_seq_len={self.mdlmpe.max_seq_len} != "
                 f"max_seq_len={self.max_seq_len}; "
-                "MDLMPE's L_ref is the model's max_seq_len (SPEC §2 'Window'), set both"
+                "MDLMPE's L_ref is the model's max_seq_len (docs/method.md 'Window'), set both"
             )
         self.mdlmpe.validate()
         return self

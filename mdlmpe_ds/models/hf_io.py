@@ -1,6 +1,6 @@
 """Hugging Face checkpoint directories: read/write ``config.json`` and (sharded) safetensors.
 
-The layout is the public checkpoints' own (MODELS.md §1-2): the family's ``config.json`` keys,
+The layout is the public checkpoints' own (docs/models.md §1-2): the family's ``config.json`` keys,
 ``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (or one
 ``model.safetensors``), and the exact upstream parameter names (``names.py``). Saving adds the
 MDLMPE / absolute-position keys when the model has them, and a ``mdlmpe_ds`` block in config.json
@@ -8,8 +8,8 @@ with the project-only settings (position encoding, MDLMPE config).
 
 Loading is strict: every problem (missing shard file, missing or unexpected key, wrong shape,
 config of the other family) is found before any weight is copied and reported with its name.
-MDLMPE parameters absent from a checkpoint are initialised per SPEC §2. Weights are read one
-tensor at a time from memory-mapped files; ``gathered`` (e.g. ``deepspeed.zero.GatheredParameters``,
+MDLMPE parameters absent from a checkpoint are initialised as in docs/method.md "Initialisation". Weights are
+read one tensor at a time from memory-mapped files; ``gathered`` (e.g. ``deepspeed.zero.GatheredParameters``,
 passed in by the engine) gathers one partitioned parameter at a time, so under ZeRO-3 no rank ever
 holds the whole model.
 """
@@ -40,7 +40,7 @@ PROJECT_KEY = "mdlmpe_ds"  # config.json block with the settings upstream config
 
 GatherFactory = Callable[..., contextlib.AbstractContextManager]
 
-# Upstream options this implementation reproduces only at these values (MODELS.md §1).
+# Upstream options this implementation reproduces only at these values (docs/models.md §1).
 _LLADA_REQUIRED = {
     "block_type": "llama",
     "activation_type": "silu",
@@ -143,7 +143,8 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str = CONFIG_NAME, **over
         mdlmpe_cfg = values.pop("mdlmpe")
     else:
         mdlmpe_values.update(values.pop("mdlmpe", None) or {})
-        mdlmpe_values["max_seq_len"] = values["max_seq_len"]  # L_ref follows the model (SPEC §2)
+        mdlmpe_values["max_seq_len"] = values["max_seq_len"]  # L_ref follows the model (docs/method.md
+        # "Window")
         mdlmpe_cfg = MDLMPEConfig.from_dict(mdlmpe_values)
     try:
         return ModelConfig(**values, mdlmpe=mdlmpe_cfg).validate()
@@ -328,7 +329,7 @@ def load_weights_into(
     model: DiffusionLM, path: str | os.PathLike, gathered: GatherFactory | None = None
 ) -> list[str]:
     """Copy a checkpoint directory into ``model`` one tensor at a time; returns the MDLMPE names that
-    were absent and were initialised per SPEC §2 instead.
+    were absent and were initialised as in docs/method.md "Initialisation" instead.
 
     ``gathered(params, modifier_rank=0)`` is entered around each copy (ZeRO-3: gathers that one
     parameter on every rank, and rank 0's copy is scattered back on exit). Every rank reads the
@@ -341,7 +342,8 @@ def load_weights_into(
     for key, file in files.items():
         by_file.setdefault(file, []).append(key)
     if absent_mdlmpe:
-        # 1. Fresh SPEC §2 values for every MDLMPE parameter; the ones present are overwritten below.
+        # 1. Fresh initial values (docs/method.md "Initialisation") for every MDLMPE parameter; the ones
+        # present are overwritten below.
         model.reset_mdlmpe_parameters(gathered=gather)
     # 2. One tensor at a time, file by file.
     for file in sorted(by_file):
@@ -366,7 +368,8 @@ def load_pretrained(
 
     The model is built on the meta device and materialised uninitialised (no random init of 8B
     parameters, one allocation in the target dtype); the strict check guarantees every backbone
-    tensor is then overwritten, and absent MDLMPE parameters get their SPEC §2 values.
+    tensor is then overwritten, and absent MDLMPE parameters get their initial values (docs/method.md
+    "Initialisation").
     """
     config = read_hf_config(path, **overrides)
     model = DiffusionLM(config, device="meta", impl=impl)

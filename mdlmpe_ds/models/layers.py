@@ -28,7 +28,7 @@ class NormalLinear(nn.Linear):
 
 class NormalEmbedding(nn.Embedding):
     """``nn.Embedding`` initialised N(0, std^2); the ``padding_idx`` row (Dream) starts at 0 and never
-    receives a gradient, as upstream (MODELS.md §2.2 "Embedding detail")."""
+    receives a gradient, as upstream (docs/models.md §2.2 "Embedding detail")."""
 
     def __init__(self, num: int, dim: int, padding_idx: int | None, std: float, device=None) -> None:
         self.init_std = std

@@ -1,6 +1,6 @@
 """Checkpoint name maps: the project's module names <-> the exact upstream parameter names.
 
-LLaDA (MODELS.md §2.1, ``modeling_llada.py``) and Dream (§2.2, Qwen2 naming), plus the extra keys
+LLaDA (docs/models.md §2.1, ``modeling_llada.py``) and Dream (§2.2, Qwen2 naming), plus the extra keys
 this project adds; MDLMPE keys never collide with upstream names:
 
 project name                      LLaDA (model.transformer. ...)     Dream

@@ -1,4 +1,4 @@
-"""Named model configurations (SPEC §3, MODELS.md §1, paper Appendix B).
+"""Named model configurations (docs/models.md §8, §1, paper Appendix B).
 
 - ``llada-8b`` / ``dream-7b``: the public checkpoints' own ``config.json`` values; ``llada-8b-2layers``
   the same widths with 2 layers (GPU smoke runs).
@@ -27,7 +27,7 @@ _DREAM_NUMERICS = {"family": "dream", "rms_norm_eps": 1e-6, "rope_theta": 100000
 _TINY_IDS = {"vocab_size": 512, "mask_token_id": 511, "eos_token_id": 510, "pad_token_id": 510}
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    # MODELS.md §1.1 (GSAI-ML/LLaDA-8B-{Base,Instruct} config.json).
+    # docs/models.md §1.1 (GSAI-ML/LLaDA-8B-{Base,Instruct} config.json).
     "llada-8b": {
         **_LLADA_NUMERICS,
         **_LLADA_IDS,
@@ -39,7 +39,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "max_seq_len": 4096,
         "tie_embeddings": False,
     },
-    # MODELS.md §1.2 (Dream-org/Dream-v0-{Base,Instruct}-7B, Qwen2.5-7B layout).
+    # docs/models.md §1.2 (Dream-org/Dream-v0-{Base,Instruct}-7B, Qwen2.5-7B layout).
     "dream-7b": {
         **_DREAM_NUMERICS,
         **_DREAM_IDS,

@@ -1,4 +1,4 @@
-"""One bidirectional diffusion transformer for LLaDA and Dream (SPEC §3, MODELS.md §2).
+"""One bidirectional diffusion transformer for LLaDA and Dream (docs/models.md §8, §2).
 
 Pre-norm blocks ``h = x + o(Attn(norm(x)))``, ``y = h + down(silu(gate(norm(h))) * up(norm(h)))``,
 a final RMSNorm and an (optionally tied) LM head; attention is never causal. What differs between
@@ -95,7 +95,7 @@ class Attention(nn.Module):
             self.phase = PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
         else:
             self.phase = None
-        # Per-KV-head MDLMPE switch (SPEC §2 "Heads"); not a checkpoint tensor.
+        # Per-KV-head MDLMPE switch (docs/method.md "Heads"); not a checkpoint tensor.
         self.register_buffer(
             "active_kv", torch.ones(config.num_kv_heads, dtype=torch.bool, device=device), persistent=False
         )
@@ -353,7 +353,8 @@ class DiffusionLM(nn.Module):
 
     # --- MDLMPE controls ---
     def set_active_kv_heads(self, mask: torch.Tensor) -> None:
-        """Which KV heads use the MDLMPE phase residual, in every layer (SPEC §2 "Heads"). [Hkv] bool."""
+        """Which KV heads use the MDLMPE phase residual, in every layer (docs/method.md "Heads"). [Hkv]
+        bool."""
         for layer in self.layers:
             layer.attn.set_active_kv_heads(mask)
 
@@ -400,7 +401,8 @@ class DiffusionLM(nn.Module):
 
     @torch.no_grad()
     def reset_mdlmpe_parameters(self, gathered: Callable[..., AbstractContextManager] | None = None) -> None:
-        """Initialise the MDLMPE parameters per SPEC §2 (W2 = b2 = 0, b_p = 0, gamma = gamma_init).
+        """Initialise the MDLMPE parameters as in docs/method.md "Initialisation" (W2 = b2 = 0, b_p = 0, gamma
+        = gamma_init).
 
         Needed after building under ``deepspeed.zero.Init``: ``PhaseMLP`` and ``MDLMPEEncoder`` set
         W2 = b2 = 0 and W_p, b_p from their own constructor, after ZeRO-3 has already partitioned

@@ -1,5 +1,5 @@
-"""Availability state and token-centred summaries A, D (paper Eqs. binary, gaussian, normalize,
-nonnegative_coordinate, availability_ratio_explicit; Appendix D Eq. efficiency_local_aggregation).
+"""Availability state and token-centred summaries A, D (paper Eqs. (9), (21), (22),
+(15), (16); Appendix D Eq. (28)).
 
 Everything here is computed once per forward in fp32 and shared by all layers. The Gaussian
 operator is never materialised as an L x L matrix: the row-normalised banded sum is a 1-D
@@ -21,7 +21,7 @@ from mdlmpe_ds.pe.rope import inverse_frequencies
 def availability(
     input_ids: torch.Tensor, mask_token_id: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """b_t = 1[x_t != mask] * a_t and a_t (Eq. binary), both fp32 [B, L].
+    """b_t = 1[x_t != mask] * a_t and a_t (Eq. (9)), both fp32 [B, L].
 
     ``valid`` marks positions attention may see (False for padding, and for future blocks in
     blocked-context block diffusion). It is derived from the model input only, never from targets.
@@ -43,7 +43,7 @@ def _gaussian_taps_cpu(window: int, sigma: float) -> torch.Tensor:
 
 
 def gaussian_taps(window: int, sigma: float, device: torch.device | None = None) -> torch.Tensor:
-    """Unnormalised truncated Gaussian exp(-d^2 / 2 sigma^2) for d = -W..W (Eq. gaussian). [2W+1].
+    """Unnormalised truncated Gaussian exp(-d^2 / 2 sigma^2) for d = -W..W (Eq. (21)). [2W+1].
 
     Cached by (W, sigma): the only things it depends on.
     """
@@ -58,7 +58,7 @@ def _sine_basis_cpu(seq_len: int, head_dim: int, theta: float) -> torch.Tensor:
 
 
 def sine_basis(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """RoPE-aligned coordinate c_{t,f} = (1 + sin(t w_f)) / 2 in [0, 1] (Eq. nonnegative_coordinate).
+    """RoPE-aligned coordinate c_{t,f} = (1 + sin(t w_f)) / 2 in [0, 1] (Eq. (15)).
 
     Shape [L, F]; computed in fp64 then stored fp32 so large t * w_f keeps its phase. Cached by
     (L, d_h, theta).
@@ -72,7 +72,7 @@ def exact_fp32_convolution() -> Iterator[None]:
 
     PyTorch lets cuDNN run fp32 convolutions in TF32 on Ampere and later GPUs by default
     (``torch.backends.cudnn.conv.fp32_precision == "tf32"``): a 10-bit mantissa, ~1e-3 relative
-    error in A and D, which the spec defines in fp32 (SPEC §2). Only this module's banded sums are
+    error in A and D, which docs/method.md "Precision" fixes in fp32. Only this module's banded sums are
     affected; the previous setting is restored on exit. A no-op on the CPU (no TF32 there).
     """
     conv = torch.backends.cudnn.conv
@@ -123,7 +123,7 @@ def token_summaries(
     """A_{i,f} = sum_t w_{i,t} b_t c_{t,f}; D_{i,f} = sum_t w_{i,t} a_t c_{t,f} + eps.
 
     w_{i,t} = g(i - t) a_t / (sum_u g(i - u) a_u + eps) with g the truncated Gaussian taps
-    (Eqs. gaussian, normalize, availability_ratio_explicit).
+    (Eqs. (21), (22), (16)).
 
     b, a: [B, L] fp32; coordinate: [L, F] (or [B, L, F]); taps: [2W+1]. Returns A, D as [B, L, F]
     fp32. Cost O(B * L * W * F); no L x L tensor is formed.
@@ -140,14 +140,14 @@ def token_summaries(
     signals = torch.cat((b.unsqueeze(-1) * coordinate, a.unsqueeze(-1) * coordinate), dim=-1)
     sums = _banded_sum(signals.transpose(1, 2).reshape(batch * 2 * num_pairs, length), taps)
     sums = sums.view(batch, 2 * num_pairs, length).transpose(1, 2)  # [B, L, 2F]
-    # 3. Row normalisation (Eq. normalize), then the eps floor of D.
+    # 3. Row normalisation (Eq. (22)), then the eps floor of D.
     norm = (row_mass + eps).unsqueeze(-1)  # [B, L, 1]
     numer, denom = sums[..., :num_pairs] / norm, sums[..., num_pairs:] / norm
     return numer, denom + eps
 
 
 def dense_weights(a: torch.Tensor, window: int, sigma: float, eps: float) -> torch.Tensor:
-    """The row-normalised L x L matrix w_{i,t} of Eq. normalize, materialised. [B, L, L].
+    """The row-normalised L x L matrix w_{i,t} of Eq. (22), materialised. [B, L, L].
 
     For tests and the analysis figures only; training uses :func:`token_summaries`.
     """

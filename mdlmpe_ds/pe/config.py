@@ -1,4 +1,4 @@
-"""Configuration of the MDLMPE position encoding (SPEC §2, paper Appendix A and C).
+"""Configuration of the MDLMPE position encoding (docs/method.md, paper Appendix A and C).
 
 Kept in its own module (not in ``mdlmpe_ds.config``) so the pure-torch encoding can be used and
 tested without the trainer's configuration tree; the trainer's ``ModelConfig`` embeds this.
@@ -51,7 +51,7 @@ def _moved_key_error(key: str) -> ValueError:
 
 @dataclass
 class MDLMPEConfig:
-    """Every knob of MDLMPE with the SPEC §2 defaults.
+    """Every knob of MDLMPE with the defaults of docs/method.md "Decisions the paper leaves open".
 
     ``max_seq_len`` is L_ref: the window W = round(window_ratio * L_ref) is fixed by the configured
     maximum length, not by the length of a batch, so padding never changes a feature and inference
@@ -61,9 +61,9 @@ class MDLMPEConfig:
     max_seq_len: int = 1024
     window_ratio: float = 3 / 16
     rho: float = 0.25
-    # Denominator safeguard of Eq. normalize and of D (Eq. availability_ratio_explicit).
+    # Denominator safeguard of Eq. (22) and of D (Eq. (16)).
     eps: float = 1e-6
-    # arccos argument is clipped to [-1 + kappa, 1 - kappa] (Eq. clipped_angle_bound, SPEC §2).
+    # arccos argument is clipped to [-1 + kappa, 1 - kappa] (Eq. (37), docs/method.md "Pair feature").
     clip_kappa: float = 1e-4
     gamma_max: float = 0.10
     gamma_init: float = 0.01
@@ -104,18 +104,18 @@ class MDLMPEConfig:
 
     @property
     def window(self) -> int:
-        """W = round(window_ratio * L_ref) (Eq. main_gaussian); 0 when the Gaussian is ablated."""
+        """W = round(window_ratio * L_ref) (Eq. (2)); 0 when the Gaussian is ablated."""
         if not self.use_gaussian:
             return 0
         return math.floor(self.window_ratio * self.max_seq_len + 0.5)
 
     @property
     def sigma(self) -> float:
-        """sigma = max(rho * W, 1) (Eq. main_gaussian)."""
+        """sigma = max(rho * W, 1) (Eq. (2))."""
         return max(self.rho * self.window, 1.0)
 
     def hidden_width(self, num_pairs: int) -> int:
-        """H = max(16, F / 2) unless set explicitly (Eq. phase_mlp)."""
+        """H = max(16, F / 2) unless set explicitly (Eq. (25))."""
         return self.phase_hidden if self.phase_hidden is not None else max(16, num_pairs // 2)
 
     def to_dict(self) -> dict[str, Any]:

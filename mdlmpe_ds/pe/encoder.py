@@ -1,5 +1,5 @@
 """The model-level MDLMPE module: availability -> (A, D) once per forward, and the embedding path
-(paper Eqs. embedding_injection, linear_basis_projection; SPEC §2 "Embedding path").
+(paper Eqs. (11), (18); docs/method.md "Embedding path").
 
 Construction does no weight-dependent work beyond ``reset_parameters`` so the module can be built
 under ``deepspeed.zero.Init`` or on the meta device.
@@ -30,7 +30,7 @@ class AvailabilityFeatures(NamedTuple):
 class LearnedCoordinate(nn.Module):
     """Ablation "MLP instead of the basis" (Appendix C): c_{t,f} = sigmoid(MLP(t / L_ref)) in (0, 1).
 
-    Non-negative like the sine coordinate, so Eq. ratio_bound (0 <= r <= 1) still holds.
+    Non-negative like the sine coordinate, so Eq. (17) (0 <= r <= 1) still holds.
     """
 
     def __init__(self, num_pairs: int, max_seq_len: int, hidden: int = 64, device=None) -> None:
@@ -45,10 +45,11 @@ class LearnedCoordinate(nn.Module):
 
 
 class ProjectionLinear(nn.Linear):
-    """W_p (F -> d) initialised N(0, 1/F) with b_p = 0 by its own constructor (SPEC §2: b_p = 0).
+    """W_p (F -> d) initialised N(0, 1/F) with b_p = 0 by its own constructor (docs/method.md
+    "Embedding path": b_p = 0).
 
     With A in [0, 1]^F this keeps each coordinate of z = W_p A + b_p of order one, so the gate
-    gamma alone sets the size of the embedding perturbation (Eq. embedding_perturbation_bound).
+    gamma alone sets the size of the embedding perturbation (Eq. (12)).
     """
 
     def reset_parameters(self) -> None:
@@ -108,7 +109,7 @@ class MDLMPEEncoder(nn.Module):
 
     @property
     def gamma(self) -> torch.Tensor:
-        """gamma = gamma_max * sigmoid(g) in (0, gamma_max) (Eq. embedding_injection)."""
+        """gamma = gamma_max * sigmoid(g) in (0, gamma_max) (Eq. (11))."""
         return self.config.gamma_max * torch.sigmoid(self.gate_logit.float())
 
     def basis(self, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -142,7 +143,7 @@ class MDLMPEEncoder(nn.Module):
         return AvailabilityFeatures(b, a, A, D)
 
     def embed(self, embeddings: torch.Tensor, features: AvailabilityFeatures) -> torch.Tensor:
-        """e~ = e + gamma * (W_p A + b_p) (Eq. embedding_injection); identity when the path is off."""
+        """e~ = e + gamma * (W_p A + b_p) (Eq. (11)); identity when the path is off."""
         if self.proj is None:
             return embeddings
         z = F.linear(features.A, self.proj.weight.float(), self.proj.bias.float())  # [B, L, d]

@@ -1,5 +1,5 @@
-"""Which KV heads carry the phase residual: the SFT head schedule (paper Eq. sft_head_warmup) and
-the nested, evenly spread activation order (SPEC §2 "Heads", "Head schedule").
+"""Which KV heads carry the phase residual: the SFT head schedule (paper Eq. (27)) and
+the nested, evenly spread activation order (docs/method.md "Heads", "Head schedule").
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 
 def head_fraction(update: int, total_updates: int) -> float:
-    """alpha(n): 0 for n/N < 0.1, (n/N - 0.1)/0.8 up to 0.9, then 1 (Eq. sft_head_warmup)."""
+    """alpha(n): 0 for n/N < 0.1, (n/N - 0.1)/0.8 up to 0.9, then 1 (Eq. (27))."""
     if total_updates <= 0:
         raise ValueError(f"total_updates must be positive, got {total_updates}")
     progress = update / total_updates

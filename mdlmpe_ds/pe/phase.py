@@ -1,5 +1,5 @@
-"""Pair feature, angularisation and the per-layer phase MLP (paper Eqs. pair_availability_ratio,
-mdangle, phase_mlp, app_pair_phase; SPEC §2 "Pair feature", "Phase MLP", "Frequency split").
+"""Pair feature, angularisation and the per-layer phase MLP (paper Eqs. (23),
+(24), (25), (26); docs/method.md "Pair feature", "Phase MLP", "Frequency split").
 
 The functions take plain tensors so the attention paths (reference, blocked, Triton) can call
 them on any block of (i, j) pairs and recompute them under activation checkpointing.
@@ -16,12 +16,13 @@ from torch import nn
 
 
 def mdlmpe_pairs(num_pairs: int) -> torch.Tensor:
-    """Indices of the rotary pairs that carry a phase residual: the odd f (SPEC §2). [F // 2]."""
+    """Indices of the rotary pairs that carry a phase residual: the odd f (docs/method.md "Frequency split").
+    [F // 2]."""
     return torch.arange(1, num_pairs, 2)
 
 
 def pair_ratio(a_i: torch.Tensor, d_i: torch.Tensor, a_j: torch.Tensor, d_j: torch.Tensor) -> torch.Tensor:
-    """r_{ij,f} = (A_{i,f} + A_{j,f}) / (D_{i,f} + D_{j,f}) in [0, 1] (Eq. pair_availability_ratio).
+    """r_{ij,f} = (A_{i,f} + A_{j,f}) / (D_{i,f} + D_{j,f}) in [0, 1] (Eq. (23)).
 
     a_i, d_i: [..., Lq, F]; a_j, d_j: [..., Lk, F]  ->  [..., Lq, Lk, F] (fp32).
     """
@@ -29,7 +30,8 @@ def pair_ratio(a_i: torch.Tensor, d_i: torch.Tensor, a_j: torch.Tensor, d_j: tor
 
 
 def angularize(r: torch.Tensor, clip_kappa: float) -> torch.Tensor:
-    """s = arccos(clip(2r - 1, -1 + kappa, 1 - kappa)) - pi/2 (Eq. mdangle with SPEC's clip)."""
+    """s = arccos(clip(2r - 1, -1 + kappa, 1 - kappa)) - pi/2 (Eq. (24) with the clip of docs/method.md
+    "Pair feature")."""
     return torch.acos((2.0 * r - 1.0).clamp(-1.0 + clip_kappa, 1.0 - clip_kappa)) - math.pi / 2
 
 
@@ -43,7 +45,7 @@ class PhaseParams(NamedTuple):
 
 
 def phase_residual(s: torch.Tensor, params: PhaseParams, tau_max: float) -> torch.Tensor:
-    """delta = tau_max * tanh(W2 SiLU(W1 s + b1) + b2) (Eq. phase_mlp), fp32. s [..., F] -> [..., |M|]."""
+    """delta = tau_max * tanh(W2 SiLU(W1 s + b1) + b2) (Eq. (25)), fp32. s [..., F] -> [..., |M|]."""
     hidden = F.silu(F.linear(s, params.w1.float(), params.b1.float()))
     return tau_max * torch.tanh(F.linear(hidden, params.w2.float(), params.b2.float()))
 

@@ -1,7 +1,7 @@
 """Rotary position embedding in the LLaDA / Dream layout.
 
-Rotary pair f is the two dimensions (f, f + F) of a head ("rotate_half", SPEC §2), rotated by
-angle t * w_f with w_f = theta^(-2f / d_h), t the 0-based position.
+Rotary pair f is the two dimensions (f, f + F) of a head ("rotate_half", docs/method.md "Pair layout"),
+rotated by angle t * w_f with w_f = theta^(-2f / d_h), t the 0-based position.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_only_adapters_and_mdlmpe_change(lora_straight):
     assert sorted(set(backbone) - buffers) == sorted(base)
     changed = [n for n in base if not torch.equal(backbone[n], base[n])]
     assert not changed, f"frozen backbone parameters changed: {changed[:5]}"
-    # B starts at 0 and the phase MLPs' output layers and W_p's bias start at 0 (SPEC §2): all moved.
+    # B starts at 0 and the phase MLPs' output layers and W_p's bias start at 0 (docs/method.md): all moved.
     b = [n for n in state if ".lora_B." in n]
     assert len(b) == 2 * 7 and all(float(state[n].abs().sum()) > 0 for n in b)
     zero_init = [n for n in state if is_mdlmpe_name(n) and (".fc2." in n or n.endswith("proj.bias"))]

@@ -106,7 +106,7 @@ def test_numerics_differences_are_named():
 
 def test_head_schedule_and_loss_masking_run(straight):
     """alpha(n) per optimizer update n (0-based) with N = 8, H_kv = 4: counts round(alpha * 4) =
-    0,0,1,1,2,3,3,4 (paper Eq. sft_head_warmup); 0 before 10%, 50% at n = 4, 100% at the last."""
+    0,0,1,1,2,3,3,4 (paper Eq. (27)); 0 before 10%, 50% at n = 4, 100% at the last."""
     rows = metrics(straight)
     fractions = [rows[step]["mdlmpe/active_head_fraction"] for step in range(1, N + 1)]
     assert fractions == [0.0, 0.0, 0.25, 0.25, 0.5, 0.75, 0.75, 1.0]

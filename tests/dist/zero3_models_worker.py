@@ -4,7 +4,7 @@ Builds the model described by a checkpoint directory under ``deepspeed.zero.Init
 parameter is partitioned from construction), loads the weights one tensor at a time through
 ``GatheredParameters``, and checks the ZeRO-3 engine's logits against the unpartitioned ones the
 test computed. Also loads a RoPE checkpoint into an MDLMPE model under ZeRO-3 and checks that the
-MDLMPE parameters come out initialised per SPEC §2, then takes one optimizer step.
+MDLMPE parameters come out initialised as in docs/method.md "Initialisation", then takes one optimizer step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def build(path: str, load: bool = True, **overrides) -> DiffusionLM:
 
 
 def check_spec_init(model: DiffusionLM) -> None:
-    """MDLMPE parameters as SPEC §2 initialises them: W2 = b2 = 0, b_p = 0, gamma = gamma_init."""
+    """MDLMPE parameters as docs/method.md "Initialisation" sets them: W2 = b2 = 0, b_p = 0, gamma =
+    gamma_init."""
     enc = model.embed.mdlmpe
     phase = model.layers[0].attn.phase
     with deepspeed.zero.GatheredParameters([phase.fc2.weight, phase.fc2.bias, enc.proj.bias, enc.gate_logit]):
@@ -75,8 +76,9 @@ def main() -> None:
         loss = engine(expected["ids"], expected["valid"]).float().logsumexp(-1)[expected["valid"]].mean()
         engine.backward(loss)
         engine.step()
-        # 3. RoPE checkpoint into an MDLMPE model: absent MDLMPE parameters initialised per SPEC,
-        #    and a model built under zero.Init without loading starts from the SPEC values too.
+        # 3. RoPE checkpoint into an MDLMPE model: absent MDLMPE parameters initialised as in docs/method.md
+        # "Initialisation",
+        #    and a model built under zero.Init without loading starts from those initial values too.
         check_spec_init(build(rope_saved, position_encoding="mdlmpe"))
         check_spec_init(build(rope_saved, load=False, position_encoding="mdlmpe"))
         print(f"rank {rank} OK max_err={err:.2e}", flush=True)
@@ -89,4 +91,4 @@ if __name__ == "__main__":
     main()
     from mdlmpe_ds.engine import exit_after_teardown
 
-    exit_after_teardown(0)  # success: skip gloo's racy C++ teardown (ENV.md traps)
+    exit_after_teardown(0)  # success: skip gloo's racy C++ teardown

@@ -124,7 +124,7 @@ def test_ratio_angle_sensitivity_is_minimal_two_at_half_and_clipped_at_the_ends(
     torch.testing.assert_close(
         sensitivity[inside], result.arrays["sensitivity_exact"][inside], rtol=1e-3, atol=0
     )
-    # The clip bounds it (Eq. clipped_angle_bound) and flattens s outside [kappa/2, 1 - kappa/2].
+    # The clip bounds it (Eq. (37)) and flattens s outside [kappa/2, 1 - kappa/2].
     assert result.checks["max_sensitivity"] <= result.checks["clip_bound"] * (1 + 1e-3)
     assert (sensitivity[result.arrays["clipped"]] == 0).all()
     assert result.checks["s_range_max"] < math.pi / 2
@@ -147,7 +147,7 @@ def test_boundary_kernels_have_unit_mass_and_endpoint_ratios_are_exact():
     assert result.checks["max_abs_r_all_revealed_minus_1"] < 1e-3
 
 
-# --- Figure canonical_topologies ---------------------------------------------------------------------------
+# --- Figure 4 ---------------------------------------------------------------------------
 
 
 def test_topologies_equal_density_and_pairwise_distinct():
@@ -284,7 +284,7 @@ def test_fresh_model_has_zero_phase_and_schedule_reveals_by_confidence():
     with pytest.raises(ValueError, match=r"\[prompt, masks\]"):
         sampler_trajectory(model, exact, steps=2, block_length=None, seed=0)
     state = state_diagnostics(model, ids, [0], [0])
-    assert (state.mean_abs == 0).all()  # W2 = b2 = 0 at init: exactly plain RoPE (Eq. phase_mlp)
+    assert (state.mean_abs == 0).all()  # W2 = b2 = 0 at init: exactly plain RoPE (Eq. (25))
     states = denoise_trajectory(model, ids, steps=4)
     # Quotas ceil(remaining / steps_left) = 3, 3, 3, 3; the first step reveals the 3 most confident.
     counts = [int((s == mask_id).sum()) for s in states]

@@ -1,4 +1,4 @@
-"""Block-diffusion SFT corruption and visibility, both regimes (paper §3.4, Figure block_access)."""
+"""Block-diffusion SFT corruption and visibility, both regimes (paper §3.4, Figure 6)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ def _grads(out: torch.Tensor, tensors: list[torch.Tensor], seed: int = 1) -> lis
 
 
 def test_zero_phase_equals_rope():
-    """PhaseMLP as built (W2 = b2 = 0): delta = 0, so the layer is RoPE attention (SPEC §2)."""
+    """PhaseMLP as built (W2 = b2 = 0): delta = 0, so the layer is RoPE attention (docs/method.md
+    "Initialisation")."""
     q, k, v, A, D, valid = _inputs(q_heads=6, kv_heads=3)
     mlp = _phase(4, seed=3, random=False)
     active = torch.tensor([True, False, True])

@@ -1,4 +1,5 @@
-"""SFT head schedule (Eq. sft_head_warmup) and the nested, evenly spread KV-head order (SPEC §2)."""
+"""SFT head schedule (Eq. (27)) and the nested, evenly spread KV-head order (docs/method.md
+"Head schedule")."""
 
 from __future__ import annotations
 

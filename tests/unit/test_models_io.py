@@ -22,7 +22,7 @@ from mdlmpe_ds.models.hf_io import (
     save_pretrained,
 )
 
-# GSAI-ML/LLaDA-8B-Instruct config.json values (MODELS.md §1.1), as the file spells them.
+# GSAI-ML/LLaDA-8B-Instruct config.json values (docs/models.md §1.1), as the file spells them.
 LLADA_8B_CONFIG = {
     "model_type": "llada",
     "architectures": ["LLaDAModelLM"],
@@ -61,7 +61,7 @@ LLADA_8B_CONFIG = {
     "init_std": 0.02,
     "precision": "amp_bf16",
 }
-# Dream-org/Dream-v0-Instruct-7B config.json values (MODELS.md §1.2).
+# Dream-org/Dream-v0-Instruct-7B config.json values (docs/models.md §1.2).
 DREAM_7B_CONFIG = {
     "model_type": "Dream",
     "architectures": ["DreamModel"],
@@ -171,7 +171,8 @@ def test_rope_checkpoint_into_mdlmpe_model_initialises_mdlmpe_per_spec(tmp_path)
         assert layer.attn.phase.fc2.weight.abs().max() == 0 and layer.attn.phase.fc2.bias.abs().max() == 0
     assert model.embed.mdlmpe.proj.bias.abs().max() == 0
     assert float(model.embed.mdlmpe.gamma.detach()) == pytest.approx(0.01, rel=1e-5)
-    # With the phase at its identity and gamma forced to 0 it is the RoPE model (SPEC §2).
+    # With the phase at its identity and gamma forced to 0 it is the RoPE model (docs/method.md
+    # "Initialisation").
     with torch.no_grad():
         model.embed.mdlmpe.gate_logit.fill_(-float("inf"))
         torch.testing.assert_close(model(IDS, VALID), rope(IDS, VALID), atol=1e-6, rtol=0)

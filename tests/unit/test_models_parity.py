@@ -120,8 +120,8 @@ def test_real_positions_do_not_depend_on_trailing_padding(family, encoding):
 def test_meta_parameter_counts_of_the_real_checkpoints():
     llada = DiffusionLM(preset("llada-8b"), device="meta")
     dream = DiffusionLM(preset("dream-7b"), device="meta")
-    assert llada.num_backbone_parameters() == 8_015_581_184  # index total_size / 2 (MODELS.md §1.1)
-    assert dream.num_backbone_parameters() == 7_615_616_512  # MODELS.md §1.2
+    assert llada.num_backbone_parameters() == 8_015_581_184  # index total_size / 2 (docs/models.md §1.1)
+    assert dream.num_backbone_parameters() == 7_615_616_512  # docs/models.md §1.2
     assert len(llada.state_dict()) == 291  # 32 x 9 + 3 tensors
     mdlmpe = DiffusionLM(preset("llada-8b", position_encoding="mdlmpe"), device="meta")
     assert mdlmpe.num_backbone_parameters() == 8_015_581_184
@@ -173,7 +173,7 @@ def test_dream_embedding_keeps_padding_row_without_gradient():
 
 def test_llada_roles_map_to_upstream_names():
     # ff_proj is the GATE (SiLU branch), up_proj the linear branch, ff_out the down projection
-    # (MODELS.md §2.1); swapping them would load a checkpoint "fine" and silently break logits.
+    # (docs/models.md §2.1); swapping them would load a checkpoint "fine" and silently break logits.
     expect = {
         "layers.3.mlp.gate_proj.weight": "model.transformer.blocks.3.ff_proj.weight",
         "layers.3.mlp.up_proj.weight": "model.transformer.blocks.3.up_proj.weight",

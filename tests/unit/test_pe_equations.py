@@ -29,7 +29,7 @@ MASK = 7
 
 
 def loop_weights(a: list[float], window: int, sigma: float, eps: float) -> list[list[float]]:
-    """Eqs. gaussian + normalize, one entry at a time."""
+    """Eqs. (21) + (22), one entry at a time."""
     length = len(a)
     raw = [
         [math.exp(-((i - t) ** 2) / (2 * sigma**2)) * (abs(i - t) <= window) * a[t] for t in range(length)]
@@ -39,7 +39,7 @@ def loop_weights(a: list[float], window: int, sigma: float, eps: float) -> list[
 
 
 def loop_basis(length: int, head_dim: int, theta: float) -> list[list[float]]:
-    """Eq. nonnegative_coordinate with omega_f = theta^(-2f/d_h)."""
+    """Eq. (15) with omega_f = theta^(-2f/d_h)."""
     return [
         [0.5 * (1 + math.sin(t * theta ** (-2 * f / head_dim))) for f in range(head_dim // 2)]
         for t in range(length)
@@ -231,7 +231,7 @@ def test_reference_scores_eq_main_final_angle():
 
 
 def test_reference_relative_angle_is_rope_plus_delta():
-    """Pair f of S_ij sees the relative angle (j - i) w_f + delta_ij,f (Eq. main_pair)."""
+    """Pair f of S_ij sees the relative angle (j - i) w_f + delta_ij,f (Eq. (8))."""
     torch.manual_seed(2)
     length, head_dim, theta = 4, 4, 10.0
     num_pairs = head_dim // 2

@@ -60,7 +60,7 @@ def test_normalised_kernels_have_unit_mass_at_boundaries():
 
 
 def test_jacobian_eq_single_state_influence():
-    """du_i/db_t = w_{i,t} c_t exactly, and its norm <= w_{i,t} sqrt(F) (Eq. jacobian_local_bound)."""
+    """du_i/db_t = w_{i,t} c_t exactly, and its norm <= w_{i,t} sqrt(F) (Eq. (35))."""
     length, head_dim, window, sigma = 24, 8, 5, 2.0
     num_pairs = head_dim // 2
     a = torch.ones(1, length)

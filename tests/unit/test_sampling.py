@@ -1,4 +1,4 @@
-"""Samplers (MODELS.md §4): schedules, reveal counts, block regimes, MDLMPE features per step, seeding,
+"""Samplers (docs/models.md §4): schedules, reveal counts, block regimes, MDLMPE features per step, seeding,
 batching, EOS early stop. Tiny fp32 models on CPU."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _spy_features(model):
 
 
 def _features_from_scratch(model, ids, valid):
-    """b, a, A, D on a state with the materialised weights (Eq. normalize), independent of the conv path."""
+    """b, a, A, D on a state with the materialised weights (Eq. (22)), independent of the conv path."""
     cfg, enc = model.config, model.embed.mdlmpe
     a = valid.float()
     b = (ids != cfg.mask_token_id).float() * a

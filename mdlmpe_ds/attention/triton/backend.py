@@ -5,7 +5,7 @@ Same contract as ``reference_attention`` (the spec) plus ``block_size``; an auto
 over two kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
 when it decorates, so ``TRITON_INTERPRET`` must be settled first).
 
-Design (paper Eqs. app_pair_phase, phase_mlp; kernels.py says what each pass holds):
+Design (paper Eqs. (26), (25); kernels.py says what each pass holds):
 - The logit is RoPE plus a correction, S_ij = (q_i . k_j + E_ij) / sqrt(d_h), with
   E_ij = sum_{m in M} alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2), alpha = cos(delta) - 1,
   beta = sin(delta). The plain term is one tile product (tensor cores); E is the CUDA-core work.
@@ -299,7 +299,7 @@ def triton_attention(
     max_registers: int | None = None,
     pair_split: int | None = None,
 ) -> torch.Tensor:
-    """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. app_pair_phase).
+    """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. (26)).
 
     q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated); A, D [B, L, F] fp32 (no grad);
     ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row

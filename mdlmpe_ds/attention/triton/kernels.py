@@ -17,7 +17,7 @@ of MC MDLMPE pairs its output layer, delta, alpha = cos(delta) - 1 and beta = si
 no per-head loop, no per-head recomputation of the phase. The backward sums dE/dalpha and
 dE/dbeta over the G heads before the phase MLP's backward, which thus runs once per tile.
 
-The correction (SPEC §2, Eq. app_pair_phase) for rotary pair m (dims 2m+1 and F+2m+1):
+The correction (Eq. (26); docs/method.md "The correction form") for rotary pair m (dims 2m+1 and F+2m+1):
 E_ij = sum_m alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2) = sum_m k1 (alpha q1 + beta q2)
 + k2 (alpha q2 - beta q1).
 
@@ -50,7 +50,7 @@ POLY_COS_BOUND = 0.5**10 / 3628800
 
 @triton.jit
 def _angle(u):
-    """s = arccos(u) - pi/2 (Eq. mdangle) for u already clipped to [-1 + kappa, 1 - kappa].
+    """s = arccos(u) - pi/2 (Eq. (24)) for u already clipped to [-1 + kappa, 1 - kappa].
 
     Abramowitz & Stegun 4.4.46: arccos(x) = sqrt(1 - x) P7(x) on [0, 1], |error| <= 2e-8; Triton
     has no portable acos (libdevice's fails in the triton 3.9 interpreter).
@@ -118,7 +118,7 @@ def _phase_hidden(
     the sigmoid: r is clamped right after to [kappa/2, 1 - kappa/2] (u = 2r - 1), so its last bits
     never matter beyond fp32 rounding.
     """
-    # 1. Pair ratio and angle (Eqs. pair_availability_ratio, mdangle).            [BM, BN, FP]
+    # 1. Pair ratio and angle (Eqs. (23), (24)).            [BM, BN, FP]
     if SWAP:
         r = tl.fdiv(a_j[None, :, :] + a_i[:, None, :], d_j[None, :, :] + d_i[:, None, :])
     else:
@@ -126,7 +126,7 @@ def _phase_hidden(
     u = tl.minimum(tl.maximum(2.0 * r - 1.0, -1.0 + clip_kappa), 1.0 - clip_kappa)
     s = tl.where(f_ok[None, None, :], _angle(u), 0.0)
     s2 = tl.reshape(s, (BM * BN, FP))
-    # 2. Hidden layer of the phase MLP on the tensor cores (Eq. phase_mlp).       [BM*BN, HP]
+    # 2. Hidden layer of the phase MLP on the tensor cores (Eq. (25)).       [BM*BN, HP]
     pre = tl.dot(s2, w1t, input_precision=PREC) + b1[None, :]
     sig = tl.fdiv(tl.full(pre.shape, 1.0, tl.float32), 1.0 + tl.exp(-pre))
     return s2, pre, sig, pre * sig
