@@ -81,8 +81,8 @@ def test_pretrain_under_nccl_device_rule(assets, tmp_path):
     for rank in ("0", "1"):
         assert calls[(rank, "all_reduce", "mdlmpe_ds.collectives")] >= 2
         assert calls[(rank, "all_gather", "mdlmpe_ds.collectives")] >= 1  # the token-stream fingerprint
-    # Training and validation windows of the same corpus: one tokenised stream, cached.
-    assert len(list((out / "data_cache").glob("packed-*.npz"))) == 1
+    # Training and validation windows of the same corpus: one token store, built once, complete.
+    assert len(list((out / "data_cache").glob("store-*/COMPLETE"))) == 1
 
 
 @pytest.mark.parametrize("mode", ["node", "two_nodes"])
