@@ -13,6 +13,7 @@ across seeds it gives the mean and the spread of the per-seed differences.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -82,11 +83,15 @@ def _pair(a: WindowScores, b: WindowScores, nb: int) -> dict:
 
 
 def _across(cells: list[dict]) -> dict:
-    """Mean over seeds of the per-seed differences, their sd, and the mean's within-seed SE."""
+    """Mean over seeds of the per-seed differences, their sd, and the mean's within-seed SE. A
+    bucket no window reached has a NaN difference; its mean and sd are NaN too (``statistics``
+    cannot take a NaN)."""
     deltas = [c["delta"] for c in cells]
+    finite = all(math.isfinite(d) for d in deltas)
+    spread = (statistics.stdev(deltas) if finite else math.nan) if len(deltas) > 1 else None
     return {
-        "mean": statistics.fmean(deltas),
-        "sd_over_seeds": statistics.stdev(deltas) if len(deltas) > 1 else None,
+        "mean": statistics.fmean(deltas) if finite else math.nan,
+        "sd_over_seeds": spread,
         "paired_se_of_mean": (sum(c["se"] ** 2 for c in cells) ** 0.5) / len(cells),
         "per_seed": deltas,
         "per_seed_se": [c["se"] for c in cells],

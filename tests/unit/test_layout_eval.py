@@ -208,3 +208,16 @@ def test_evaluate_cli_by_layout_pairs_models_on_the_same_masks(tmp_path, assets)
         assert table["paired"]["mdlmpe"][layout]["delta"] != 0.0
         assert table["nll"]["rope"][layout]["tokens"] == table["nll"]["mdlmpe"][layout]["tokens"] > 0
     assert "| mdlmpe − rope (paired) |" in out.with_suffix(".md").read_text()
+
+
+def test_seed_summary_of_a_bucket_no_window_reached_is_nan_not_an_error():
+    """The full-size study met a local-density bucket empty in one seed (paired difference NaN):
+    the summary must report NaN there and still summarise every other bucket."""
+    from mdlmpe_ds.evaluation.mechanism_study import _across
+
+    full = _across([{"delta": 0.25, "se": 0.1}, {"delta": 0.75, "se": 0.2}])
+    assert full["mean"] == 0.5 and full["sd_over_seeds"] == pytest.approx(0.5**0.5 * 0.5)
+    assert full["paired_se_of_mean"] == pytest.approx((0.1**2 + 0.2**2) ** 0.5 / 2)
+    empty = _across([{"delta": math.nan, "se": math.nan}, {"delta": 0.75, "se": 0.2}])
+    assert math.isnan(empty["mean"]) and math.isnan(empty["sd_over_seeds"])
+    assert _across([{"delta": 0.3, "se": 0.1}])["sd_over_seeds"] is None
