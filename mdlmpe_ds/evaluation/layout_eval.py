@@ -232,21 +232,9 @@ def summarise(
 
 def corpus_batches(corpus: str, tokenizer, settings: LayoutEvalSettings, family: str) -> list[dict]:
     """The first ``settings.windows`` packed windows of ``corpus`` in batches, with ``maskable``."""
-    from mdlmpe_ds.data.corpora import load_packed_corpus
-    from mdlmpe_ds.data.pretrain import packed_collate
-    from mdlmpe_ds.diffusion.elbo import scored_positions
+    from mdlmpe_ds.evaluation.perplexity import window_batches
 
-    packed = load_packed_corpus(corpus, tokenizer, settings.seq_len)
-    n = min(settings.windows, len(packed))
-    if n == 0:
-        raise ValueError(f"corpus {corpus!r} is shorter than one {settings.seq_len}-token window")
-    items = [packed[i] for i in range(n)]
-    batches = []
-    for i in range(0, n, settings.batch_size):
-        batch = packed_collate(items[i : i + settings.batch_size])
-        batch["maskable"] = scored_positions(batch["valid"], family)
-        batches.append(batch)
-    return batches
+    return window_batches(corpus, tokenizer, settings.seq_len, settings.windows, settings.batch_size, family)
 
 
 def scores_to_json(scores: dict[str, WindowScores]) -> dict:

@@ -47,18 +47,29 @@ class CorpusScore:
     samples: int
 
 
-def score_corpus(model, tokenizer, corpus: str, settings: EvalSettings, name: str = "model") -> CorpusScore:
-    """The ELBO perplexity of ``model`` (a DiffusionLM in eval mode) on ``corpus``."""
-    packed = load_packed_corpus(corpus, tokenizer, settings.seq_len)
-    n = min(settings.max_sequences, len(packed))
+def window_batches(
+    corpus: str, tokenizer, seq_len: int, windows: int, batch_size: int, family: str
+) -> list[dict]:
+    """The first ``windows`` packed ``seq_len``-token windows of ``corpus``, in batches of
+    ``batch_size``, each with the positions a ``family`` model is scored on (``maskable``)."""
+    packed = load_packed_corpus(corpus, tokenizer, seq_len)
+    n = min(windows, len(packed))
     if n == 0:
-        raise ValueError(f"corpus {corpus!r} is shorter than one {settings.seq_len}-token window")
+        raise ValueError(f"corpus {corpus!r} is shorter than one {seq_len}-token window")
     items = [packed[i] for i in range(n)]
     batches = []
-    for i in range(0, n, settings.batch_size):
-        batch = packed_collate(items[i : i + settings.batch_size])
-        batch["maskable"] = scored_positions(batch["valid"], model.config.family)
+    for i in range(0, n, batch_size):
+        batch = packed_collate(items[i : i + batch_size])
+        batch["maskable"] = scored_positions(batch["valid"], family)
         batches.append(batch)
+    return batches
+
+
+def score_corpus(model, tokenizer, corpus: str, settings: EvalSettings, name: str = "model") -> CorpusScore:
+    """The ELBO perplexity of ``model`` (a DiffusionLM in eval mode) on ``corpus``."""
+    batches = window_batches(
+        corpus, tokenizer, settings.seq_len, settings.max_sequences, settings.batch_size, model.config.family
+    )
     device = next(model.parameters()).device
 
     def logits(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
