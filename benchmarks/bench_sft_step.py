@@ -50,6 +50,7 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
     from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
     from mdlmpe_ds.diffusion.losses import llada_sft_loss
     from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.models.recompute import Recompute
     from mdlmpe_ds.models.transformer import DiffusionLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,10 +64,9 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
         pad_token_id=0,
         max_seq_len=args.seq_len,
         position_encoding=pe,
-        gradient_checkpointing=True,
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = DiffusionLM(config, device=device, impl=impl).to(dtype).train()
+    model = DiffusionLM(config, device=device, impl=impl, recompute=Recompute(layers=True)).to(dtype).train()
     if lora_spec is not None:
         from mdlmpe_ds import lora
 

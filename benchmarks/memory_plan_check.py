@@ -32,10 +32,12 @@ from mdlmpe_ds.memory_plan import (
     plan_memory,
 )
 from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import scored_cross_entropy
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[1]
+CHECKPOINTED = Recompute(layers=True)  # what a training run uses (model.gradient_checkpointing)
 MODES = (
     ("rope", False, {}),
     ("rope", True, {}),
@@ -55,13 +57,12 @@ def layer_table(length: int, batch: int) -> list[dict]:
                 num_layers=1,
                 max_seq_len=length,
                 position_encoding=encoding,
-                gradient_checkpointing=ckpt,
                 mdlmpe=MDLMPEConfig(max_seq_len=length),
             )
-            impl = AttentionImpl(**extra)
+            impl, recompute = AttentionImpl(**extra), Recompute(layers=ckpt)
             start = time.perf_counter()
-            measured = measure_layer(cfg, batch, length, impl=impl)
-            plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl)
+            measured = measure_layer(cfg, batch, length, impl=impl, recompute=recompute)
+            plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl, recompute=recompute)
             peak = measured["kept"] + measured["backward"]
             label = f"{name} {encoding}{' ckpt' if ckpt else ''}{' reference' if extra else ''}"
             rows.append(
@@ -124,11 +125,13 @@ def gpu_plans() -> list[dict]:
                         name,
                         max_seq_len=length,
                         position_encoding="mdlmpe",
-                        gradient_checkpointing=True,
                         mdlmpe=MDLMPEConfig(max_seq_len=length),
                     )
                     impl = AttentionImpl(backend=backend)
-                    totals = [plan_memory(cfg, ds, 8, b, length, impl=impl).total / GIB for b in (1, 2, 4)]
+                    totals = [
+                        plan_memory(cfg, ds, 8, b, length, impl=impl, recompute=CHECKPOINTED).total / GIB
+                        for b in (1, 2, 4)
+                    ]
                     out.append(
                         {
                             "config": config,
@@ -144,10 +147,10 @@ def gpu_plans() -> list[dict]:
                         + " GiB per GPU (plan)",
                         flush=True,
                     )
-    cfg = preset("llada-8b", position_encoding="mdlmpe", gradient_checkpointing=True)
+    cfg = preset("llada-8b", position_encoding="mdlmpe")
     ds = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     ds["bf16"] = {"enabled": True}
-    print(plan_memory(cfg, ds, 8, 1, 4096).format())
+    print(plan_memory(cfg, ds, 8, 1, 4096, recompute=CHECKPOINTED).format())
     return out
 
 

@@ -49,7 +49,6 @@ def export(
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
-    config.gradient_checkpointing = False
     state = engine.fp32_state_dict_from_checkpoint(step_dir)
     spec = lora.spec_of(saved.run_config)
     if spec is None and adapter_only:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mdlmpe_ds.pe.config import drop_moved_keys
+from mdlmpe_ds.models.config import drop_stored_runtime_keys
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -388,23 +388,12 @@ def check_same_data(saved: SavedRun, fingerprint: str, allow_change: bool) -> st
     )
 
 
-#: Model config keys that change how a step is computed, not the model: a run may resume with others.
-RUNTIME_MODEL_KEYS = ("gradient_checkpointing", "recompute_mdlmpe_attention")
-
-
-def _model_identity(model_config: dict[str, Any]) -> dict[str, Any]:
-    """The model config without runtime choices (checkpointing switches), which a resumed run may
-    change; an older checkpoint's MDLMPE block also loses the attention-implementation keys it
-    stored then (pe.config.MOVED_KEYS: now the run's attention section, never in a model config)."""
-    identity = {k: v for k, v in model_config.items() if k not in RUNTIME_MODEL_KEYS}
-    if isinstance(identity.get("mdlmpe"), dict):
-        identity["mdlmpe"] = drop_moved_keys(identity["mdlmpe"])
-    return identity
-
-
 def check_same_model(saved: SavedRun, model_config: dict[str, Any]) -> None:
-    """Fail fast (before DeepSpeed reads any shard) when the checkpoint is from another model."""
-    before, now = _model_identity(saved.model_config), _model_identity(model_config)
+    """Fail fast (before DeepSpeed reads any shard) when the checkpoint is from another model. An
+    older checkpoint's model config also held run-time keys (checkpointing switches; attention
+    implementation keys in its MDLMPE block): not part of the model, so not compared
+    (models.config.drop_stored_runtime_keys), and a resumed run may change them."""
+    before, now = drop_stored_runtime_keys(saved.model_config), drop_stored_runtime_keys(model_config)
     diffs = [
         f"{key}: checkpoint {before.get(key)!r} vs run {now.get(key)!r}"
         for key in sorted(set(before) | set(now))

@@ -54,9 +54,10 @@ class ModelChoice:
     # (--model.mdlmpe '{"tau_max": 0.2}') or one key (--model.mdlmpe.tau_max 0.2); max_seq_len -1
     # follows data.max_len. How the attention runs is the `attention` section, not a model key.
     mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
+    # Run-time memory choices, passed at model build (RunConfig.recompute(), models/recompute.py),
+    # never stored in the model's config: checkpoint every layer; with it, also recompute the
+    # MDLMPE attention in the layer checkpoint (less memory, one more attention forward per layer).
     gradient_checkpointing: bool = True
-    # Also recompute the MDLMPE attention in the layer checkpoint (less memory, one more attention
-    # forward per layer); see models/config.py ModelConfig.recompute_mdlmpe_attention.
     recompute_mdlmpe_attention: bool = False
     # LoRA SFT (mdlmpe_ds/lora.py), e.g. "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down"
     # (a config file may give the mapping {r, alpha, dropout, targets}): the backbone frozen, LoRA
@@ -326,6 +327,13 @@ class RunConfig:
         if mdlmpe.max_seq_len != FOLLOW_MODEL:
             return mdlmpe
         return dataclasses.replace(mdlmpe, max_seq_len=self.data.max_len)
+
+    def recompute(self):
+        """What backward recomputes (models.recompute.Recompute), from model.gradient_checkpointing
+        and model.recompute_mdlmpe_attention: passed at build, not part of the model's config."""
+        from mdlmpe_ds.models.recompute import Recompute
+
+        return Recompute(self.model.gradient_checkpointing, self.model.recompute_mdlmpe_attention)
 
     @property
     def lr(self) -> float:

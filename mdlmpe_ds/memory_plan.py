@@ -34,6 +34,7 @@ import torch
 
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.models.config import ModelConfig
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, configured_chunk
 
 GIB = 2**30
@@ -53,7 +54,7 @@ def _backend_on(impl: AttentionImpl, device: str) -> AttentionImpl:
 
 def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: int) -> float:
     """What the attention core keeps for backward when it runs outside the recomputed segment
-    (``attention_outside_layer_checkpoint``), per token, besides q, k, v and its output."""
+    (``Recompute.attention_outside_checkpoint``), per token, besides q, k, v and its output."""
     hq = cfg.num_heads * cfg.head_dim
     hkv = cfg.num_kv_heads * cfg.head_dim
     stats = 2 * FP32 * cfg.num_heads  # the per-row max and log-sum of the softmax, fp32 per query head
@@ -69,7 +70,13 @@ def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: in
 
 
 def layer_activation_bytes(
-    cfg: ModelConfig, p: int, batch: int, length: int, device: str = "cpu", impl: AttentionImpl | None = None
+    cfg: ModelConfig,
+    p: int,
+    batch: int,
+    length: int,
+    device: str = "cpu",
+    impl: AttentionImpl | None = None,
+    recompute: Recompute | None = None,
 ) -> dict[str, float]:
     """Bytes per token of one layer, activations in ``p`` bytes per element (2 bf16, 4 fp32), on
     [batch, length]:
@@ -85,9 +92,11 @@ def layer_activation_bytes(
     two segments, like the layer's ``checkpointed`` form: ``project`` (norm, q, k, v, rotary) and
     ``finish`` (o_proj, residual, norm, SwiGLU), around the attention. Backward runs the MLP part
     first (its gradients are the widest), then the attention with its pair working set. ``impl``:
-    how the MDLMPE attention runs (default ``AttentionImpl()``).
+    how the MDLMPE attention runs (default ``AttentionImpl()``); ``recompute``: the checkpointing
+    (default ``Recompute()``: none).
     """
     impl = _backend_on(impl or AttentionImpl(), device)
+    recompute = recompute or Recompute()
     d, m = cfg.hidden_size, cfg.intermediate_size
     hq = cfg.num_heads * cfg.head_dim
     hkv = cfg.num_kv_heads * cfg.head_dim
@@ -119,10 +128,10 @@ def layer_activation_bytes(
         grads_attention += FP32 * (hq + 2 * hkv)
     transient = attention_transient_bytes(cfg, batch, length, device, impl) / (batch * length)
     attention_phase = grads_attention + transient
-    if not cfg.gradient_checkpointing:
+    if not recompute.layers:
         kept = full
         peak = max(full + grads_mlp, project + attention + attention_phase)
-    elif cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors):
+    elif recompute.attention_outside_checkpoint(cfg.position_encoding, impl.keeps_pair_tensors):
         # layer input, rotated q, k, v (first segment's outputs), the attention output (second
         # segment's input) and what the attention core keeps; one segment recomputed at a time
         kept = p * d + qkv + attention
@@ -226,6 +235,7 @@ def plan_memory(
     scored_fraction: float = 1.0,
     head_chunk: int | None = None,
     impl: AttentionImpl | None = None,
+    recompute: Recompute | None = None,
     trainable_params: int | None = None,
     extra_params: int = 0,
 ) -> MemoryPlan:
@@ -233,11 +243,13 @@ def plan_memory(
     offload sections, buckets) on ``world`` GPUs, ``micro_batch`` sequences of ``length`` tokens.
     ``scored_fraction``: share of tokens in the loss (masked); 1.0 is the worst case.
     ``head_chunk``: rows per LM-head chunk (default: what training uses, ``configured_chunk()``).
-    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``).
+    ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``); ``recompute``: the
+    checkpointing (default ``Recompute()``: none).
     LoRA (mdlmpe_ds/lora.py): ``extra_params`` adapter elements are added to the parameters, and
     gradients and optimizer states are those of ``trainable_params`` only (default: all)."""
     head_chunk = head_chunk or configured_chunk()
     impl = _backend_on(impl or AttentionImpl(), "cuda")  # a plan per GPU
+    recompute = recompute or Recompute()
     if world < 1 or micro_batch < 1 or length < 1:
         raise ValueError(
             f"memory plan needs world, micro-batch and L >= 1; got {world}, {micro_batch}, {length}"
@@ -289,13 +301,13 @@ def plan_memory(
     )
     plan.items.append(("gradient reduce bucket", reduce * p, f"reduce_bucket_size {reduce:,.0f}"))
     tokens = micro_batch * length
-    per_layer = layer_activation_bytes(cfg, p, micro_batch, length, device="cuda", impl=impl)
+    per_layer = layer_activation_bytes(cfg, p, micro_batch, length, "cuda", impl, recompute)
     how = (
         "no checkpointing"
-        if not cfg.gradient_checkpointing
+        if not recompute.layers
         else (
             "attention outside the checkpoint"
-            if cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors)
+            if recompute.attention_outside_checkpoint(cfg.position_encoding, impl.keeps_pair_tensors)
             else "layer inputs"
         )
     )
@@ -376,18 +388,25 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def measure_layer(
-    cfg: ModelConfig, batch: int, length: int, seed: int = 0, impl: AttentionImpl | None = None
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    seed: int = 0,
+    impl: AttentionImpl | None = None,
+    recompute: Recompute | None = None,
 ) -> dict[str, float]:
-    """One real transformer layer of ``cfg`` (fp32, CPU, training mode, checkpointing as in
-    ``cfg``) on [batch, length]: bytes per token of the tensors it keeps after forward (``kept``,
-    the layer output standing in for the input it holds) and the peak of live tensors during its
-    backward above what was kept (``backward``: the recomputed layer and the gradients)."""
+    """One real transformer layer of ``cfg`` (fp32, CPU, training mode, checkpointing as
+    ``recompute`` says, default none) on [batch, length]: bytes per token of the tensors it keeps
+    after forward (``kept``, the layer output standing in for the input it holds) and the peak of
+    live tensors during its backward above what was kept (``backward``: the recomputed layer and
+    the gradients)."""
     from mdlmpe_ds.models.transformer import Block, LayerContext
     from mdlmpe_ds.pe.encoder import MDLMPEEncoder
     from mdlmpe_ds.pe.rope import rotary_angles
 
     torch.manual_seed(seed)
     impl = impl or AttentionImpl()
+    recompute = recompute or Recompute()
     block = Block(cfg, impl=impl).train()
     ctx = LayerContext()
     ids = torch.randint(0, cfg.vocab_size, (batch, length))
@@ -410,8 +429,9 @@ def measure_layer(
     for p in block.parameters():  # drop each weight gradient once formed (ZeRO-3 reduces it away)
         p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
     with tracker:
-        if cfg.gradient_checkpointing:
-            y = block.checkpointed(x, ctx, cfg.attention_outside_layer_checkpoint(impl.keeps_pair_tensors))
+        if recompute.layers:
+            outside = recompute.attention_outside_checkpoint(cfg.position_encoding, impl.keeps_pair_tensors)
+            y = block.checkpointed(x, ctx, outside)
         else:
             y = block(x, ctx)
         kept = tracker.current

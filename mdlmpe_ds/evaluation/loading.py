@@ -34,7 +34,6 @@ def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
     step_dir = ckpt.resolve_checkpoint(path)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
-    config.gradient_checkpointing = False
     model = DiffusionLM(config)
     reference = model.state_dict()
     state = {}
@@ -69,7 +68,6 @@ def load_model(
         model, tokenizer = _from_training_run(path)
     else:
         raise FileNotFoundError(f"{path}: no such model directory or checkpoint")
-    model.config.gradient_checkpointing = False
     return model.to(device=device, dtype=DTYPES[dtype]).eval(), tokenizer
 
 

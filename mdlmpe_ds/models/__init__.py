@@ -9,6 +9,7 @@ from mdlmpe_ds.models.hf_io import (
     save_pretrained,
 )
 from mdlmpe_ds.models.presets import PRESETS, preset
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.transformer import DiffusionLM
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "DiffusionLM",
     "ModelConfig",
+    "Recompute",
     "load_pretrained",
     "load_weights_into",
     "preset",

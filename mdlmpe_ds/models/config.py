@@ -7,13 +7,23 @@ forked into two model files.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, drop_moved_keys
 
+log = logging.getLogger(__name__)
+
 FAMILIES = ("llada", "dream")
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
+# Keys older model configs held that are run-time choices now (models/recompute.py), with the run
+# configuration key that sets them; a checkpoint or export that stored them loads without them.
+RUNTIME_KEYS = {
+    "gradient_checkpointing": ("model.gradient_checkpointing", "layers"),
+    "recompute_mdlmpe_attention": ("model.recompute_mdlmpe_attention", "mdlmpe_attention"),
+}
 
 
 @dataclass
@@ -41,13 +51,6 @@ class ModelConfig:
     pad_token_id: int = 126081
     position_encoding: str = "rope"
     mdlmpe: MDLMPEConfig = field(default_factory=lambda: MDLMPEConfig(max_seq_len=FOLLOW_MODEL))
-    gradient_checkpointing: bool = False
-    # With gradient_checkpointing and an MDLMPE attention that manages its own memory (the blocked
-    # and triton backends: every one but the reference), the layer checkpoint leaves the attention out:
-    # its rotated q, k, v and its output are kept (~2 (Hq + Hkv) d_h values per token and layer)
-    # and backward does not run the attention forward a second time (it is the costliest part of
-    # the layer: 3 region-1 passes per block become 2). True recomputes it with the layer instead.
-    recompute_mdlmpe_attention: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -84,16 +87,6 @@ class ModelConfig:
     @property
     def uses_rotary(self) -> bool:
         return self.position_encoding in ("rope", "mdlmpe")
-
-    def attention_outside_layer_checkpoint(self, keeps_pair_tensors: bool) -> bool:
-        """Whether layer checkpointing keeps the attention out of its recomputed segment (see
-        ``recompute_mdlmpe_attention``): only for MDLMPE attention whose memory is already O(C L) or
-        O(L), i.e. whose implementation does not keep its pair tensors (AttentionImpl.keeps_pair_tensors)."""
-        return (
-            self.position_encoding == "mdlmpe"
-            and not keeps_pair_tensors
-            and not self.recompute_mdlmpe_attention
-        )
 
     def validate(self) -> ModelConfig:
         def bad(key: str, why: str) -> ValueError:
@@ -150,14 +143,42 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], stored: bool = False) -> ModelConfig:
         """A validated config from ``data``. ``stored``: ``data`` was written by a checkpoint or an
-        export, whose MDLMPE block may still hold attention-implementation keys: they are dropped
-        (pe.config.MOVED_KEYS); in a new config they are an error saying where they moved."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"model config: unknown keys {unknown}; known keys are {sorted(known)}")
-        data = dict(data)
+        export, which may still hold run-time keys (checkpointing switches; attention-implementation
+        keys in its MDLMPE block): they are dropped (``drop_stored_runtime_keys``); in a new config
+        they are an error saying where they moved."""
+        data = drop_stored_runtime_keys(data) if stored else dict(data)
+        check_model_keys(data, "model config")
         if isinstance(data.get("mdlmpe"), dict):
-            mdlmpe = drop_moved_keys(data["mdlmpe"]) if stored else data["mdlmpe"]
-            data["mdlmpe"] = MDLMPEConfig.from_dict(mdlmpe)
+            data["mdlmpe"] = MDLMPEConfig.from_dict(data["mdlmpe"])
         return cls(**data).validate()
+
+
+def check_model_keys(keys: Iterable[str], where: str) -> None:
+    """Raise for a key that is not a ModelConfig field: a run-time key says where it moved, any
+    other lists the known keys. ``where`` names the source in the message."""
+    keys = set(keys)
+    for key in sorted(keys & set(RUNTIME_KEYS)):
+        run_key, field_name = RUNTIME_KEYS[key]
+        raise ValueError(
+            f"{where}: {key!r} is not a model key any more: checkpointing is a run-time choice, set "
+            f"--{run_key} in the run config, or build DiffusionLM(config, "
+            f"recompute=Recompute({field_name}=...))"
+        )
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(keys - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")
+
+
+def drop_stored_runtime_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored model config (a checkpoint's or an export's) without the run-time keys older
+    versions wrote into it: RUNTIME_KEYS at the top, pe.config.MOVED_KEYS in the MDLMPE block. The
+    model is the same without them; what was dropped is logged at debug level."""
+    out = {k: v for k, v in data.items() if k not in RUNTIME_KEYS}
+    dropped = sorted(set(data) - set(out))
+    if isinstance(out.get("mdlmpe"), dict):
+        out["mdlmpe"] = drop_moved_keys(out["mdlmpe"])
+        dropped += [f"mdlmpe.{k}" for k in sorted(set(data["mdlmpe"]) - set(out["mdlmpe"]))]
+    if dropped:
+        log.debug(f"stored model config: dropped the run-time keys {dropped}")
+    return out

@@ -14,10 +14,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from mdlmpe_ds.models.config import ModelConfig
+from mdlmpe_ds.models.config import ModelConfig, check_model_keys
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 _LLADA_IDS = {"vocab_size": 126464, "mask_token_id": 126336, "eos_token_id": 126081, "pad_token_id": 126081}
@@ -123,10 +122,7 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {PRESETS}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"preset {name!r}: unknown override keys {unknown}; known keys are {sorted(known)}")
+    check_model_keys(overrides, f"preset {name!r} overrides")
     values = {**_PRESETS[name], **overrides}
     mdlmpe = values.pop("mdlmpe", None)
     if mdlmpe is None:

@@ -7,6 +7,7 @@ fp32 RoPE (LLaDA), the embedding padding row (Dream), and GQA via ``num_kv_heads
 
 How MDLMPE attention is computed (backend, block sizes, compile) is an :class:`AttentionImpl`
 passed at build, not part of ``ModelConfig``: every implementation computes the same function.
+What backward recomputes (layer checkpointing) is a :class:`Recompute` passed at build the same way.
 
 Module names here are the project's own (``embed.tokens``, ``layers.N.attn.q_proj``, ...);
 ``mdlmpe_ds.models.names`` maps them to the exact upstream checkpoint names.
@@ -39,6 +40,7 @@ from mdlmpe_ds.models.layers import (
     NormalLinear,
     RMSNorm,
 )
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import (
     ScoredCE,
     configured_chunk,
@@ -232,14 +234,21 @@ class DiffusionLM(nn.Module):
     """LLaDA / Dream masked diffusion LM (module docstring: layout, family differences, ZeRO-3 notes).
 
     ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``: backend ``auto``); see
-    :meth:`set_attention_impl` to change it on a built model."""
+    :meth:`set_attention_impl` to change it on a built model. ``recompute``: what training backward
+    recomputes instead of keeping (default ``Recompute()``: nothing); ``self.recompute`` may be
+    replaced at any time (same numbers)."""
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str | None = None, impl: AttentionImpl | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        impl: AttentionImpl | None = None,
+        recompute: Recompute | None = None,
     ) -> None:
         super().__init__()
         self.config = config.validate()
         self.impl = (impl if impl is not None else AttentionImpl()).validate()
+        self.recompute = (recompute if recompute is not None else Recompute()).validate()
         self.embed = InputEmbedding(config, device)
         self.layers = nn.ModuleList(Block(config, device, self.impl) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
@@ -317,22 +326,24 @@ class DiffusionLM(nn.Module):
             ctx.cos, ctx.sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, L, F]
         if cfg.position_encoding == "alibi":
             ctx.alibi = alibi_bias(length, cfg.num_heads, key_valid, input_ids.device)  # [B|1, H, L, L]
-        around_attention = cfg.attention_outside_layer_checkpoint(self.impl.keeps_pair_tensors)
+        around_attention = self.recompute.attention_outside_checkpoint(
+            cfg.position_encoding, self.impl.keeps_pair_tensors
+        )
         for layer in self.layers:
-            if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if self.recompute.layers and self.training and torch.is_grad_enabled():
                 x = layer.checkpointed(x, ctx, around_attention)
             else:
                 x = layer(x, ctx)
         if scored is not None:
             rows, cols = scored.bool().nonzero(as_tuple=True)  # [M], [M], row-major
             hidden = x[rows, scored_source_columns(cols, cfg.shift_logits and not raw)]  # [M, d]
-            recompute = self.training and torch.is_grad_enabled()
+            head_recompute = self.training and torch.is_grad_enabled()
             ce = scored_cross_entropy(
                 self.lm_head,
                 self.norm(hidden),
                 targets[rows, cols],
                 head_chunk or configured_chunk(),
-                recompute,
+                head_recompute,
                 head_chunks,
             )
             return ScoredCE(ce, rows, cols)  # ce [M] fp32

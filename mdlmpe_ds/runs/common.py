@@ -5,6 +5,7 @@ same data. ``runs/sft.py`` and ``runs/pretrain.py`` put these together with thei
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import shutil
@@ -29,25 +30,22 @@ def _round_up(n: int, multiple: int) -> int:
 
 def model_config_for(run: RunConfig, tokenizer):
     """The backbone's ModelConfig: a preset with ids from the tokenizer, or a pretrained directory's
-    config; then this run's position encoding, MDLMPE knobs (L_ref = data.max_len unless set) and
-    gradient checkpointing."""
+    config; then this run's position encoding and MDLMPE knobs (L_ref = data.max_len unless set).
+    Checkpointing is not part of it: ``run.recompute()`` is passed at build (``build_model``)."""
     import dataclasses
 
     from mdlmpe_ds.models.presets import preset
 
     m = run.model
     mdlmpe = run.mdlmpe_config().validate()
-    common = {
-        "position_encoding": m.position_encoding,
-        "gradient_checkpointing": m.gradient_checkpointing,
-        "recompute_mdlmpe_attention": m.recompute_mdlmpe_attention,
-    }
     if m.model_name_or_path is not None:
         from mdlmpe_ds.models.hf_io import read_hf_config
 
         base = read_hf_config(m.model_name_or_path)
         # L_ref of MDLMPE is the run's max length, and the model config must agree with it.
-        return dataclasses.replace(base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, **common).validate()
+        return dataclasses.replace(
+            base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, position_encoding=m.position_encoding
+        ).validate()
     vocab = m.vocab_size if m.vocab_size is not None else _round_up(len(tokenizer), 64)
     mask_id = m.mask_token_id
     if mask_id is None:
@@ -71,7 +69,7 @@ def model_config_for(run: RunConfig, tokenizer):
         pad_token_id=int(pad),
         max_seq_len=max(run.data.max_len, 8),
         mdlmpe=mdlmpe,
-        **common,
+        position_encoding=m.position_encoding,
     )
 
 
@@ -195,7 +193,8 @@ def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):
     from mdlmpe_ds.models.transformer import DiffusionLM
 
     torch.manual_seed(run.train.seed)  # same initial weights on every rank
-    model = eng.build_model(lambda: DiffusionLM(model_config, impl=run.attention), ds_config, meta=dry_run)
+    build = functools.partial(DiffusionLM, model_config, impl=run.attention, recompute=run.recompute())
+    model = eng.build_model(build, ds_config, meta=dry_run)
     if not dry_run:
         eng.init_mdlmpe_parameters(model)
         if run.model.model_name_or_path is not None:
@@ -226,7 +225,7 @@ def build_engine(
 
     memory = plan_memory(
         model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
-        impl=run.attention, **lora.memory_plan_kwargs(params),
+        impl=run.attention, recompute=run.recompute(), **lora.memory_plan_kwargs(params),
     )  # fmt: skip
     plan += "\n" + memory.format()
     if dry_run:

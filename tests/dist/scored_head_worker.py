@@ -17,6 +17,7 @@ from deepspeed.utils import safe_get_full_grad
 
 from mdlmpe_ds.diffusion.losses import llada_sft_loss
 from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import group_chunk_count
 from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -39,9 +40,9 @@ def main() -> None:
     try:
         rank = dist.get_rank()
         torch.manual_seed(0)
-        config = preset("llada-tiny", position_encoding="mdlmpe", gradient_checkpointing=True)
+        config = preset("llada-tiny", position_encoding="mdlmpe")
         with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
-            model = DiffusionLM(config)
+            model = DiffusionLM(config, recompute=Recompute(layers=True))
         for module, param in model.zero3_external_parameters():
             deepspeed.zero.register_external_parameter(module, param)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)

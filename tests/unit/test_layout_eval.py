@@ -28,7 +28,7 @@ MASK = 511
 
 def model(encoding: str, seed: int = 0) -> DiffusionLM:
     torch.manual_seed(seed)
-    cfg = preset("llada-tiny", position_encoding=encoding, max_seq_len=L, gradient_checkpointing=False)
+    cfg = preset("llada-tiny", position_encoding=encoding, max_seq_len=L)
     m = DiffusionLM(cfg).eval()
     if encoding == "mdlmpe":  # a trained-looking model: non-zero phase MLP outputs
         with torch.no_grad():

@@ -27,7 +27,6 @@ def _tiny(family: str = "llada", encoding: str = "mdlmpe") -> DiffusionLM:
         position_encoding=encoding,
         max_seq_len=32,
         mdlmpe={"max_seq_len": 32},
-        gradient_checkpointing=False,
     )
     return DiffusionLM(cfg, impl=AttentionImpl(backend="reference"))
 

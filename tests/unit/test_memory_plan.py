@@ -12,6 +12,7 @@ import pytest
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
 from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20  # the plan vs a measured layer, relative
 
 
-def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, length: int):
+def _layer_config(family: str, width: int, encoding: str, length: int):
     heads = width // 128  # d_h = 128 as in LLaDA-8B and Dream-7B
     kv = heads if family == "llada" else max(1, heads // 4)
     return preset(
@@ -38,14 +39,15 @@ def _layer_config(family: str, width: int, encoding: str, checkpointing: bool, l
         intermediate_size=3 * width,
         max_seq_len=length,
         position_encoding=encoding,
-        gradient_checkpointing=checkpointing,
         mdlmpe=MDLMPEConfig(max_seq_len=length),
     )
 
 
-def _check_against_measured(cfg, batch: int, length: int, impl: AttentionImpl | None = None) -> None:
-    measured = measure_layer(cfg, batch, length, impl=impl)
-    plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl)
+def _check_against_measured(
+    cfg, batch: int, length: int, recompute: Recompute, impl: AttentionImpl | None = None
+) -> None:
+    measured = measure_layer(cfg, batch, length, impl=impl, recompute=recompute)
+    plan = layer_activation_bytes(cfg, 4, batch, length, impl=impl, recompute=recompute)
     peak = measured["kept"] + measured["backward"]
     for name, planned, seen in (("kept", plan["kept"], measured["kept"]), ("peak", plan["peak"], peak)):
         assert abs(planned - seen) <= TOLERANCE * seen, (
@@ -66,17 +68,17 @@ def _check_against_measured(cfg, batch: int, length: int, impl: AttentionImpl | 
 )
 def test_activation_terms_match_a_measured_narrow_layer(family, encoding, checkpointing, impl):
     """d = 512 (4 heads of 128): every checkpointing mode and backend path the plan models."""
-    cfg = _layer_config(family, 512, encoding, checkpointing, 128)
-    _check_against_measured(cfg, 2, 128, AttentionImpl(**impl))
+    cfg = _layer_config(family, 512, encoding, 128)
+    _check_against_measured(cfg, 2, 128, Recompute(layers=checkpointing), AttentionImpl(**impl))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["rope", "mdlmpe"])
 def test_activation_terms_match_a_measured_llada_8b_width_layer(encoding):
     """One LLaDA-8B-width layer (d 4096, 32 heads, SwiGLU 12288), fp32, L = 64: ~1.3 GB, ~10 s."""
-    cfg = _layer_config("llada", 4096, encoding, True, 64)
+    cfg = _layer_config("llada", 4096, encoding, 64)
     assert (cfg.num_heads, cfg.intermediate_size) == (32, 12288)
-    _check_against_measured(cfg, 1, 64)
+    _check_against_measured(cfg, 1, 64, Recompute(layers=True))
 
 
 def _ds(name: str, bf16: bool = True) -> dict:
@@ -86,20 +88,23 @@ def _ds(name: str, bf16: bool = True) -> dict:
 
 
 def test_plan_states_offload_and_total():
-    cfg = preset("llada-8b", position_encoding="mdlmpe", gradient_checkpointing=True)
-    plan = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=1, length=4096)
+    cfg = preset("llada-8b", position_encoding="mdlmpe")
+    checkpointed = Recompute(layers=True)
+    plan = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=1, length=4096, recompute=checkpointed)
     params = 8_015_947_777  # LLaDA-8B + MDLMPE at these dims, counted on the meta device
     assert plan.item("parameters (ZeRO-3 shard)") == pytest.approx(params / 8 * 2, rel=1e-3)
     assert plan.item("optimizer states (ZeRO-3 shard)") == pytest.approx(params / 8 * 12, rel=1e-3)
     assert plan.total == pytest.approx(sum(b for _, b, _ in plan.items))
     assert "total" in plan.format() and "estimate" in plan.format()
-    offload = plan_memory(cfg, _ds("zero3_offload.json"), world=8, micro_batch=1, length=4096)
+    offload = plan_memory(
+        cfg, _ds("zero3_offload.json"), world=8, micro_batch=1, length=4096, recompute=checkpointed
+    )
     names = {n for n, _, _ in offload.items}
     assert "optimizer states (ZeRO-3 shard)" not in names and "parameters (ZeRO-3 shard)" not in names
     assert {n for n, _, _ in offload.cpu_items} == {"parameters", "optimizer + grads"}
     assert offload.total < plan.total - 14 * GIB
     # activations grow with the micro-batch; the chunked head does not grow past one chunk
-    bigger = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=4, length=4096)
+    bigger = plan_memory(cfg, _ds("zero3.json"), world=8, micro_batch=4, length=4096, recompute=checkpointed)
     assert bigger.item("activations kept (other layers)") == pytest.approx(
         4 * plan.item("activations kept (other layers)")
     )
@@ -125,4 +130,6 @@ def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
     assert engine is None
     assert "memory plan per GPU (estimate): world 8, micro-batch 2 x L 64" in out
     assert "activations kept" in out and "LM head + CE" in out
-    assert built["memory_gib"] == pytest.approx(plan_memory(cfg, ds, 8, 2, 64).total / GIB)
+    planned = plan_memory(cfg, ds, 8, 2, 64, recompute=run.recompute())
+    assert run.recompute() == Recompute(layers=True)  # the run's default: checkpointed
+    assert built["memory_gib"] == pytest.approx(planned.total / GIB)

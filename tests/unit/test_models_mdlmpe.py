@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mdlmpe_ds.attention import AttentionImpl
-from mdlmpe_ds.models import DiffusionLM, preset
+from mdlmpe_ds.models import DiffusionLM, Recompute, preset
 
 BACKENDS = ["reference", "blocked"]
 
@@ -156,12 +156,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, encoding, backe
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        config = preset(
-            f"{family}-tiny",
-            position_encoding=encoding,
-            gradient_checkpointing=checkpointing,
-        )
-        model = DiffusionLM(config, impl=AttentionImpl(backend=backend, query_block=4)).train()
+        config = preset(f"{family}-tiny", position_encoding=encoding)
+        impl = AttentionImpl(backend=backend, query_block=4)
+        model = DiffusionLM(config, impl=impl, recompute=Recompute(layers=checkpointing)).train()
         with torch.no_grad():
             for layer in model.layers:
                 if layer.attn.phase is not None:
@@ -199,13 +196,10 @@ def test_layer_checkpoint_leaves_self_managed_attention_out(monkeypatch, backend
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        config = preset(
-            "dream-tiny",
-            position_encoding="mdlmpe",
-            gradient_checkpointing=checkpointing,
-            recompute_mdlmpe_attention=recompute,
-        )
-        model = DiffusionLM(config, impl=AttentionImpl(backend=backend, query_block=4)).train()
+        config = preset("dream-tiny", position_encoding="mdlmpe")
+        impl = AttentionImpl(backend=backend, query_block=4)
+        choice = Recompute(layers=checkpointing, mdlmpe_attention=recompute)
+        model = DiffusionLM(config, impl=impl, recompute=choice).train()
         with torch.no_grad():
             for layer in model.layers:
                 layer.attn.phase.fc2.weight.normal_(std=1.0)

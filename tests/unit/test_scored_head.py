@@ -21,6 +21,7 @@ from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss, llada_sft_loss
 from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import ScoredCE, scored_cross_entropy
 from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -30,8 +31,8 @@ CHUNK = 5  # rows per head chunk: several chunks and a ragged last one in every 
 
 def _model(family: str, encoding: str = "rope", checkpointing: bool = True) -> DiffusionLM:
     torch.manual_seed(0)
-    cfg = preset(f"{family}-tiny", position_encoding=encoding, gradient_checkpointing=checkpointing)
-    return DiffusionLM(cfg).train()
+    cfg = preset(f"{family}-tiny", position_encoding=encoding)
+    return DiffusionLM(cfg, recompute=Recompute(layers=checkpointing)).train()
 
 
 def _batch(model: DiffusionLM, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -295,9 +295,9 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
 
 
 def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
-    """Checkpointing switches are runtime choices: a run resumes with others; an older checkpoint
-    whose MDLMPE block still holds the attention-implementation keys it stored then (now the run's
-    attention section) resumes too; any model key, MDLMPE's method keys included, differs."""
+    """Checkpointing switches are run-time choices, not in the model config: an older checkpoint
+    that stored them (and, in its MDLMPE block, the attention-implementation keys it stored then)
+    resumes; any model key, MDLMPE's method keys included, differs."""
     old = {
         "tau_max": 0.25,
         "backend": "blocked",
@@ -305,20 +305,59 @@ def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
         "compile": False,
         "checkpoint_blocks": True,
     }
-    model = {
+    stored = {
         "hidden_size": 64,
         "gradient_checkpointing": True,
         "recompute_mdlmpe_attention": False,
         "mdlmpe": old,
     }
-    saved = ckpt.SavedRun(tmp_path, 4, 2, {}, model)
-    runtime = {"gradient_checkpointing": False, "recompute_mdlmpe_attention": True}
-    faster = {"tau_max": 0.25}
-    ckpt.check_same_model(saved, {**model, **runtime, "mdlmpe": faster})
+    saved = ckpt.SavedRun(tmp_path, 4, 2, {}, stored)
+    model = {"hidden_size": 64, "mdlmpe": {"tau_max": 0.25}}
+    ckpt.check_same_model(saved, model)
     with pytest.raises(ValueError, match=r"hidden_size: checkpoint 64 vs run 32"):
         ckpt.check_same_model(saved, {**model, "hidden_size": 32})
     with pytest.raises(ValueError, match=r"mdlmpe: checkpoint .*'tau_max': 0.25.* vs run .*'tau_max': 0.5"):
-        ckpt.check_same_model(saved, {**model, "mdlmpe": {**faster, "tau_max": 0.5}})
+        ckpt.check_same_model(saved, {**model, "mdlmpe": {"tau_max": 0.5}})
+
+
+def test_checkpointing_is_passed_at_build_not_a_model_key(tmp_path, caplog):
+    """The run's model.gradient_checkpointing / recompute_mdlmpe_attention become a Recompute given
+    to the model at build; a model config has neither key (to_dict, hence checkpoints and exports),
+    a new config naming one is an error saying where it went, and a stored one (an older checkpoint
+    or export) loads without them, logged at debug level."""
+    import logging
+
+    from mdlmpe_ds.models import DiffusionLM, ModelConfig, Recompute, preset, save_pretrained
+    from mdlmpe_ds.runs.common import model_config_for
+
+    tiny = preset("llada-tiny", position_encoding="mdlmpe")
+    save_pretrained(DiffusionLM(tiny), tmp_path, tiny)
+    args = ["--model_name_or_path", str(tmp_path), "--max_len", str(tiny.max_seq_len)]
+    run = build_config(None, args)
+    assert run.recompute() == Recompute(layers=True, mdlmpe_attention=False)  # the defaults
+    flipped = build_config(
+        None, [*args, "--gradient_checkpointing", "false", "--recompute_mdlmpe_attention", "true"]
+    )
+    assert flipped.recompute() == Recompute(layers=False, mdlmpe_attention=True)
+    cfg = model_config_for(run, tokenizer=None)
+    assert model_config_for(flipped, tokenizer=None) == cfg == tiny  # the same model either way
+    assert not {"gradient_checkpointing", "recompute_mdlmpe_attention"} & set(cfg.to_dict())
+    for key, field_name in (
+        ("gradient_checkpointing", "layers"),
+        ("recompute_mdlmpe_attention", "mdlmpe_attention"),
+    ):
+        pattern = rf"'{key}' is not a model key any more.*--model\.{key}.*Recompute\({field_name}="
+        with pytest.raises(ValueError, match=pattern):
+            preset("llada-tiny", **{key: True})
+        with pytest.raises(ValueError, match=pattern):
+            ModelConfig.from_dict({**cfg.to_dict(), key: True})
+        with caplog.at_level(logging.DEBUG, logger="mdlmpe_ds.models.config"):
+            assert ModelConfig.from_dict({**cfg.to_dict(), key: True}, stored=True) == cfg
+        assert f"dropped the run-time keys ['{key}']" in caplog.text
+    model = DiffusionLM(cfg, recompute=Recompute(layers=True))
+    assert model.recompute.layers and DiffusionLM(cfg).recompute == Recompute()
+    with pytest.raises(ValueError, match=r"recompute: layers='yes' must be true or false"):
+        DiffusionLM(cfg, recompute=Recompute(layers="yes"))
 
 
 @pytest.mark.parametrize(
