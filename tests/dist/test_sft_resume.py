@@ -1,5 +1,6 @@
 """2-process ZeRO-3 SFT runs on the CPU through the real DeepSpeed engine: straight == interrupted
-(fp32 and bf16, bitwise), SIGKILL during training and during a save, the head schedule, TensorBoard,
+(fp32 and bf16, bitwise; fp32 resumed with gradient checkpointing off from a checkpoint laid out as
+older versions wrote it), SIGKILL during training and during a save, the head schedule, TensorBoard,
 and export -> load -> same logits.
 
 Why bitwise holds: every input of an update is fixed (checkpointed engine/sampler/RNG state, noise
@@ -13,7 +14,9 @@ each on 2 shared cores.
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.dist
 
 N = 8  # updates
 H_KV = 4  # llada-tiny KV heads
+RUN_TIME_KEYS = {"gradient_checkpointing", "recompute_mdlmpe_attention"}
 
 
 @pytest.fixture
@@ -45,15 +49,38 @@ def _same_history(a: dict[int, dict], b: dict[int, dict], steps) -> None:
             )
 
 
+def _model_config(step_dir: Path) -> dict:
+    return json.loads((step_dir / "config.json").read_text())["model_config"]
+
+
+def _as_older_versions_wrote_it(step_dir: Path) -> None:
+    """Put the run's checkpointing switches back into the checkpoint's model config, where older
+    versions stored them (they are run-time choices now), and write its manifest to match."""
+    from mdlmpe_ds import checkpoint as ckpt
+
+    meta = json.loads((step_dir / "config.json").read_text())
+    meta["model_config"].update(gradient_checkpointing=True, recompute_mdlmpe_attention=False)
+    (step_dir / "config.json").write_text(json.dumps(meta, indent=2))
+    (step_dir / ckpt.MANIFEST).write_text(json.dumps({"files": ckpt.manifest_of(step_dir)}, indent=1))
+
+
 def test_straight_equals_interrupted(straight, data, tmp_path):
+    """The second half resumes with gradient checkpointing off: a run-time choice, not the model's,
+    that changes no number (backward recomputes the same layer forward), from the checkpoint
+    rewritten as an older version stored it (checkpointing keys in its model config)."""
     out = tmp_path / "interrupted"
     first = launch([*data, *BASE_ARGS, "--output_dir", str(out), "--stop_at", str(N // 2)])
     check(first, "first half")
     assert max(metrics(out)) == N // 2
-    second = launch([*data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"])
+    half = out / "checkpoints" / f"step_{N // 2:06d}"
+    assert not RUN_TIME_KEYS & set(_model_config(half))
+    _as_older_versions_wrote_it(half)
+    resume = ["--resume", "auto", "--gradient_checkpointing", "false"]
+    second = launch([*data, *BASE_ARGS, "--output_dir", str(out), *resume])
     check(second, "resumed half")
-    assert f"step_{N // 2:06d}" in second.stdout and "resumed from" in second.stdout
+    assert half.name in second.stdout and "resumed from" in second.stdout
     _same_history(metrics(straight), metrics(out), range(1, N + 1))
+    assert not RUN_TIME_KEYS & set(_model_config(out / "checkpoints" / f"step_{N:06d}"))
 
 
 def _bf16_unsupported() -> str | None:
@@ -162,6 +189,8 @@ def test_export_load_same_logits(straight, tmp_path):
 
     out = launch_module("export").export(straight / "checkpoints" / "latest", tmp_path / "export")
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    exported = json.loads((out / "config.json").read_text())
+    assert not RUN_TIME_KEYS & (set(exported) | set(exported["mdlmpe_ds"]))
     model = load_pretrained(out).eval()
     probe = torch.load(straight / "probe.pt")
     with torch.no_grad():
