@@ -12,8 +12,12 @@ with hand-derived formulas:
   for every active head, and their gradients.
 
 The pieces are plain torch functions. They run as they are (:data:`EAGER`) or each wrapped by
-torch.compile (:func:`compiled_pieces`), region 2's sums then written per head so inductor fuses
-them (:func:`_correction`); the numbers are the same. All maths in fp32.
+torch.compile (:func:`compiled_pieces`, over :data:`SUMMED`); the numbers are the same. Region 1
+is one code for both. Region 2's sums over the MDLMPE pairs have two layouts, chosen with the
+pieces (``per_head_sums``, see :func:`_correction`): eager, rotated keys per KV head and batched
+matmuls (few large kernels); compiled, one broadcast-multiply-sum per query head, which inductor
+fuses into one loop nest. Either layout run the other way is the slower one on the CPU (measured
+figures: docs/method.md "Cost and precision"), so both stay. All maths in fp32.
 """
 
 from __future__ import annotations
