@@ -18,10 +18,13 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
+
+if TYPE_CHECKING:
+    from mdlmpe_ds.models.recompute import Recompute
 
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
 LOSS_FAMILIES = ("auto", "llada", "dream")
@@ -328,9 +331,10 @@ class RunConfig:
             return mdlmpe
         return dataclasses.replace(mdlmpe, max_seq_len=self.data.max_len)
 
-    def recompute(self):
-        """What backward recomputes (models.recompute.Recompute), from model.gradient_checkpointing
-        and model.recompute_mdlmpe_attention: passed at build, not part of the model's config."""
+    def recompute(self) -> Recompute:
+        """What backward recomputes, from model.gradient_checkpointing and
+        model.recompute_mdlmpe_attention: passed at build, not part of the model's config (imported
+        here: importing the models package loads the transformer and its checkpoint I/O)."""
         from mdlmpe_ds.models.recompute import Recompute
 
         return Recompute(self.model.gradient_checkpointing, self.model.recompute_mdlmpe_attention)
