@@ -17,12 +17,13 @@ Run on a CUDA machine (exits with a message otherwise):
     python benchmarks/bench_attention_gpu.py --json bench_gpu.json
 Triton launch settings not given on the command line (tile, heads per program, pair chunk, warps,
 stages) are the backend's own (``triton.launch.launch_config`` for the head size, dtype and GPU).
-Without a GPU, ``--compile-only`` compiles the two kernels ahead of time for ``--arch`` (sm_90,
+Without a GPU, ``--compile-only`` compiles the four kernels ahead of time for ``--arch`` (sm_90,
 H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as the launcher
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
-Targets: Triton fwd+bwd <= 20x flash RoPE at L = 2048 (ideal ~13x), whole-step <= 2.3x,
-extra memory independent of L^2.
+Targets: whole-step <= 2.3x at L = 2048. Extra memory: the kernels' transient pair buffers
+(alpha, beta, dE/d delta: |M| L^2 fp32 each per sequence, at most triton.backend.PAIR_BUFFER_BYTES
+per launch) besides O(L) per head.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair-chunk", type=int, default=None, help="Triton MDLMPE pairs per alpha/beta chunk")
     p.add_argument("--num-warps", type=int, default=None, help="Triton warps")
     p.add_argument("--num-stages", type=int, default=None, help="Triton software-pipelining stages")
-    p.add_argument("--pair-split", type=int, default=None, help="Triton pair sub-chunks (1 or 2)")
+    p.add_argument("--phase-tile", type=int, default=None, help="Triton phase kernels' pair tile")
     p.add_argument("--max-registers", type=int, default=None, help="Triton maxnreg (registers/thread)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="q, k, v dtype")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
@@ -196,13 +197,13 @@ def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
         num_warps=args.num_warps,
         num_stages=args.num_stages,
         max_registers=args.max_registers,
-        pair_split=args.pair_split,
+        phase_tile=args.phase_tile,
     )
     return {k: v for k, v in given.items() if v is not None}
 
 
 def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Compile the forward and backward kernels for ``--arch`` with the launcher's settings for
+    """Compile the four kernels for ``--arch`` with the launcher's settings for
     ``--head-dim`` and ``--dtype`` (plus any given on the command line) and print each cubin's
     shared memory (against the target's limit), registers and spill stack per thread."""
     from mdlmpe_ds.attention.triton.aot import compile_kernel

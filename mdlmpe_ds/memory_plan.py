@@ -157,13 +157,18 @@ def attention_transient_bytes(
     a time): the blocked MDLMPE path's fp32 pair tensors of one query block of C rows, about 12
     [B, C, |M|, L] fp32 tensors at the peak of its backward (alpha, beta, their gradients, the
     phase MLP's pieces; measured ~1.5 KB x C x L at d_h = 128, cf. the 1.4-1.7 KB of docs/method.md
-    "Cost and precision"). SDPA and the Triton kernel tile on chip; paths that save their pair tensors count
-    them per token (``_pair_bytes_saved``)."""
+    "Cost and precision"); the Triton kernels' alpha, beta and dE/d delta buffers, three
+    [B, |M|, L, L] fp32 tensors bounded per launch (``pair_buffer_bytes``). SDPA tiles on chip;
+    paths that save their pair tensors count them per token (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
     impl = _backend_on(impl or AttentionImpl(), device)
     pairs = cfg.head_dim // 2
-    if impl.backend == "triton" or _pair_bytes_saved(cfg, impl, length):  # on chip, or saved (counted there)
+    if impl.backend == "triton":
+        from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
+
+        return float(pair_buffer_bytes(batch, length, len(range(1, pairs, 2))))
+    if _pair_bytes_saved(cfg, impl, length):  # saved: counted per token there
         return 0.0
     from mdlmpe_ds.attention.blocked import eager_block_rows
 

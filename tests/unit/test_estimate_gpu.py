@@ -59,8 +59,28 @@ def test_loop_finder_takes_the_widest_backward_branch():
             "        /*0060*/                   EXIT ;",
         ]
     )
-    body = est.main_loop(est.parse_sass(text))
-    assert [op for _, op, _ in body] == ["FFMA", "MUFU.EX2", "BRA", "LDG.E", "BRA"]
+    instrs = est.parse_sass(text)
+    with pytest.raises(RuntimeError, match="trip count"):  # a nested loop must say how often it runs
+        est.main_loop(instrs)
+    body = est.main_loop(instrs, trips=3)  # the nested loop (0x20 .. 0x30) three times
+    ops = [op for _, op, _ in body]
+    assert ops[:5] == ["FFMA", "MUFU.EX2", "BRA", "LDG.E", "BRA"]
+    assert sorted(ops[5:]) == sorted(["MUFU.EX2", "BRA"] * 2) and len(ops) == 9
+
+
+def test_waves_and_phase_grid():
+    # 255 registers x 128 threads: 2 programs per SM; 180 KB of shared memory: 1.
+    assert est.resident_programs(255, 0, 4) == 2 and est.resident_programs(255, 180 * 1024, 4) == 1
+    cost = est.LoopCost("k", {}, 0.0, 0.0, 0.0, cycles=10.0, bound="issue", resident=2)
+    one_wave = est.kernel_seconds(cost, 4, 2 * est.H100["sms"], 1)
+    assert est.kernel_seconds(cost, 4, 2 * est.H100["sms"] + 1, 1) == pytest.approx(2 * one_wave)
+    from mdlmpe_ds.attention.triton.launch import launch_config
+
+    config = launch_config(128, torch.bfloat16, 90)
+    programs, tiles = est.phase_programs(2048, config)
+    rows = 2048 // config.phase_tile
+    assert tiles == rows * (rows + 1) // 2  # the upper half of the tile plane, diagonal included
+    assert rows <= programs <= tiles
 
 
 def test_flash_forward_costs_one_key_tile(flash):
@@ -73,9 +93,15 @@ def test_estimate_prints_every_assumption(flash):
     from mdlmpe_ds.attention.triton.launch import launch_config
 
     config = launch_config(128, torch.bfloat16, 90)
-    costs = {k: flash for k in ("forward", "backward")}
+    costs = {k: flash for k in ("phase_forward", "forward", "backward", "phase_backward")}
     row = est.estimate(costs, config, flash, 2048, 2)
     assert row["step_ratio"] > 1 and row["rope_step_ms"] > row["rest_of_step_ms"] > 0
+    # Every kernel is at least as slow as its pair-buffer traffic at the HBM bandwidth.
+    plane = est.NUM_MDLMPE * 2048**2 * 4
+    for k, planes in est.PAIR_PLANES.items():
+        runs = est.RUNS_PER_LAYER.get(k, 1)
+        assert row[f"{k}_ms"] >= 1e3 * runs * planes * plane / est.HBM_BYTES_PER_S * (1 - 1e-9)
+    assert row["pair_hbm_gb"] == pytest.approx(12 * plane / 1e9)
     text = "\n".join(est.assumptions(config, torch.bfloat16))
-    for needle in ("ESTIMATE", "SMs", "MFU", "backward", "tensor cores", "LLaDA-8B"):
+    for needle in ("ESTIMATE", "SMs", "MFU", "backward", "tensor cores", "LLaDA-8B", "HBM", "waves"):
         assert needle in text

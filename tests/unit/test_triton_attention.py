@@ -49,14 +49,29 @@ CASES = {
     "bf16_inputs": (1, 2, 2, 10, 8, 8, 2, "11", 2, True, "bfloat16", 16),
     # tau_max above the polynomial's range: libdevice sin / cos; 4 heads in one program, G > Hkv.
     "large_tau": (1, 4, 1, 7, 8, 4, 4, "1", 0, True, "float32", 2, 1.0),
+    # pair buffers over their budget: 2 sequences, each in 3 row blocks of 8 (the last one ends
+    # in padding, L = 21 -> LP = 24): alpha/beta/ddelta per block, dK, dV and the MLP gradients
+    # added across launches (test_pair_buffers_split_into_row_blocks checks the split).
+    "row_blocks": (2, 2, 2, 21, 8, 4, 2, "11", 2, True, "float32", 2),
 }
+#: Per-case budget of the kernels' pair buffers (triton.backend.PAIR_BUFFER_BYTES), in bytes.
+PAIR_BUDGET = {"row_blocks": 3 * 4 * 2 * 24 * 8}  # 3 buffers x fp32 x |M| = 2 x LP = 24 x 8 rows
+#: Per-case key positions per phase-kernel program (triton.backend.PHASE_KEY_SPAN): several spans
+#: per row, with the symmetric half-plane (one launch per sequence) and without it (row blocks).
+KEY_SPAN = {"gqa_ragged_padding": 8, "partial_head_mask": 4, "row_blocks": 8}
 
 
 def _run_case(name: str) -> dict[str, float]:
     """Child side: reference vs kernel on one case; max abs error per output and gradient."""
     from mdlmpe_ds.attention.common import rope_attention
     from mdlmpe_ds.attention.reference import reference_attention
+    from mdlmpe_ds.attention.triton import backend
     from mdlmpe_ds.attention.triton.backend import triton_attention
+
+    if name in PAIR_BUDGET:
+        backend.PAIR_BUFFER_BYTES = PAIR_BUDGET[name]
+    if name in KEY_SPAN:
+        backend.PHASE_KEY_SPAN = KEY_SPAN[name]
 
     batch, hq, hkv, length, head_dim, tile, per_prog, active, pad, random_fc2, dtype, chunk = CASES[name][:12]
     tau_max = CASES[name][12] if len(CASES[name]) > 12 else 0.25
@@ -99,7 +114,9 @@ def _run_case(name: str) -> dict[str, float]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        got = run(triton_attention, block_size=tile, heads_per_program=per_prog, pair_chunk=chunk)
+        got = run(
+            triton_attention, block_size=tile, phase_tile=tile, heads_per_program=per_prog, pair_chunk=chunk
+        )
     errors = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(GRADS, want, got)}
     errors["scale"] = max(w.float().abs().max().item() for w in want)
     errors["saved_max_numel_over_q"] = max(saved) / q.numel()
@@ -152,6 +169,26 @@ def test_no_length_squared_buffers_saved(interpreted):
     """Backward keeps O(L) per head (q, k, v, O, row statistics), never an L x L tile (issue 8)."""
     for name, errors in interpreted.items():
         assert errors["saved_max_numel_over_q"] <= 1.0, name
+
+
+def test_pair_buffers_split_into_row_blocks(monkeypatch):
+    """Over the budget, the launches cover every (sequence, row block) once, each block's three
+    [NM, rows, LP] fp32 buffers within the budget (the ``row_blocks`` case runs this split)."""
+    from mdlmpe_ds.attention.triton import backend
+
+    batch, heads, length, head_dim, tile = CASES["row_blocks"][0], 2, 21, 8, 4
+    monkeypatch.setattr(backend, "PAIR_BUFFER_BYTES", PAIR_BUDGET["row_blocks"])
+    q = torch.zeros(batch, heads, length, head_dim)
+    config = backend.resolve_launch(q, block_size=tile, phase_tile=tile)
+    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25)
+    blocks = list(plan.blocks(batch))
+    assert plan.padded == 24 and len(blocks) == 6
+    assert blocks == [(s, s + 1, r0, 8) for s in range(batch) for r0 in (0, 8, 16)]
+    for s, e, _, rows in blocks:
+        assert 3 * 4 * (e - s) * plan.num_mdlmpe * rows * plan.padded <= backend.PAIR_BUFFER_BYTES
+    monkeypatch.setattr(backend, "PAIR_BUFFER_BYTES", 2**30)  # within budget: one launch group
+    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25)
+    assert list(plan.blocks(batch)) == [(0, batch, 0, 24)]
 
 
 def test_zero_initialised_phase_is_rope(interpreted):

@@ -24,15 +24,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mdlmpe_ds.attention.triton.launch import (
+    PHASE_KERNELS,
     SHARED_MEMORY_LIMIT,
     LaunchConfig,
     kernel_constexprs,
+    kernel_options,
     launch_config,
 )
 from mdlmpe_ds.pe.phase import mdlmpe_pairs
 
-_INTS = {"L", "HQ", "HKV", "F", "HID", "NM"}
+_INTS = {"L", "LP", "R0", "RB", "KSPAN", "SYM", "HQ", "HKV", "F", "HID", "NM"}
 _FLOATS = {"tau_max", "clip_kappa", "scale"}
+_DIVISIBLE_INTS = {"L", "LP", "R0", "RB", "KSPAN"}
 # Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32.
 _MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr"}
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -65,10 +68,13 @@ class KernelResources:
 
     def line(self) -> str:
         c = self.config
+        if self.kernel in PHASE_KERNELS:
+            shape = f"tile={c.phase_tile} chunk={c.pair_chunk} warps={c.phase_warps}"
+        else:
+            shape = f"tile={c.tile} G={c.heads_per_program} warps={c.num_warps} stages={c.num_stages}"
         return (
-            f"{self.kernel:<8} sm_{self.capability} d_h={self.head_dim:<4} {self.dtype:<5} "
-            f"tile={c.tile} G={c.heads_per_program} chunk={c.pair_chunk} warps={c.num_warps} "
-            f"stages={c.num_stages} maxnreg={c.max_registers}: "
+            f"{self.kernel:<14} sm_{self.capability} d_h={self.head_dim:<4} {self.dtype:<5} "
+            f"{shape} maxnreg={c.max_registers}: "
             f"shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
             f"({'fits' if self.fits else 'OVER'}), {self.registers} registers, "
             f"{self.spill_bytes} B spill/thread ({self.compile_s:.0f} s)"
@@ -79,8 +85,10 @@ def _kernel_fn(name: str):
     from mdlmpe_ds.attention.triton import kernels as kern
 
     return {
+        "phase_forward": kern.phase_fwd_kernel,
         "forward": kern.mdlmpe_fwd_kernel,
         "backward": kern.mdlmpe_bwd_kernel,
+        "phase_backward": kern.phase_bwd_kernel,
     }[name]
 
 
@@ -125,19 +133,19 @@ def compile_cubin(
         hidden=max(16, num_pairs // 2),
         num_mdlmpe=len(mdlmpe_pairs(num_pairs)),
         dtype=dtype,
-        tile=config.tile,
-        heads=config.heads_per_program,
-        chunk=config.pair_chunk,
+        config=config,
         interpreting=False,
-        split=config.pair_split,
-    )
-    return compile_function(_kernel_fn(kernel), meta, dtype, capability, config)
+    )[kernel]
+    return compile_function(_kernel_fn(kernel), meta, dtype, capability, kernel_options(kernel, config))
 
 
-def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, config: LaunchConfig):
-    """AOT-compile the @triton.jit ``fn`` with constexprs ``meta`` (other arguments: the names in
-    ``_INTS`` are i32, ``_FLOATS`` fp32, pointers in ``_MODEL_DTYPE_POINTERS`` in ``dtype``, every
-    other pointer fp32, all 16-byte aligned) for sm_``capability``."""
+def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, options: dict[str, int]):
+    """AOT-compile the @triton.jit ``fn`` with constexprs ``meta`` and Triton ``options``
+    (num_warps, num_stages, maxnreg) for sm_``capability``. Other arguments: the names in ``_INTS``
+    are i32, ``_FLOATS`` fp32, pointers in ``_MODEL_DTYPE_POINTERS`` in ``dtype``, every other
+    pointer fp32. Pointers are 16-byte aligned (torch allocations are) and the length L a multiple
+    of 16: Triton specializes both at launch when they hold (L = 1024, 2048, 4096 ...), and the
+    vectorised loads of the compiled code depend on it."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -152,12 +160,16 @@ def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, config
             signature[name] = "fp32"
         else:
             signature[name] = f"*{model_dtype if name in _MODEL_DTYPE_POINTERS else 'fp32'}"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n][0] == "*"}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if signature[n][0] == "*" or n in _DIVISIBLE_INTS
+    }
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=aligned)
     return triton.compile(
         source,
         target=GPUTarget("cuda", capability, 32),
-        options=dict(num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers),
+        options=options,
     )
 
 

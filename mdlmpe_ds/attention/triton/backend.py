@@ -2,38 +2,41 @@
 (``--attention.backend``).
 
 Same contract as ``reference_attention`` (the spec) plus ``block_size``; an autograd.Function
-over two kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
+over four kernels in ``triton.kernels`` (imported lazily: triton picks interpreter vs compiler
 when it decorates, so ``TRITON_INTERPRET`` must be settled first).
 
-Design (paper Eqs. (26), (25); kernels.py says what each pass holds):
+Design (paper Eqs. (23)-(26); kernels.py says what each kernel holds):
 - The logit is RoPE plus a correction, S_ij = (q_i . k_j + E_ij) / sqrt(d_h), with
   E_ij = sum_{m in M} alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2), alpha = cos(delta) - 1,
   beta = sin(delta). The plain term is one tile product (tensor cores); E is the CUDA-core work.
-- A program owns a tile of rows (forward) or keys (backward) and G query heads. Per
-  (row tile, key tile) the head-independent work (r, the angle, the phase MLP, alpha, beta) is
-  done once for the G heads; the per-head work is a broadcast over a leading head axis. Backward
-  sums dE/dalpha, dE/dbeta over the heads before the phase MLP's backward (once per tile).
+- alpha, beta depend on (i, j, m), never on the head, and are symmetric in (i, j): a phase kernel
+  computes them once per layer for half the plane (r, the angle, the phase MLP, sin / cos) into
+  [B, |M|, L, L] fp32 buffers; the attention kernels read them, G query heads per program
+  sharing each alpha_m, beta_m tile load. The backward recomputes them (another phase launch)
+  rather than keeping them, sums dE/d delta over all heads (in registers over the G heads of a
+  program, atomically over programs), and one more phase kernel runs the MLP's backward once per
+  pair. Those buffers are the only O(L^2) memory, transient: at most PAIR_BUFFER_BYTES per
+  launch (whole sequences while they fit, else row blocks of one sequence).
 - alpha, beta by Taylor polynomials when |tau_max| <= 0.5 (|delta| <= tau_max; error bound in
   kernels.POLY_SIN_BOUND / POLY_COS_BOUND, tested densely), libdevice sin otherwise; approximate
-  division where a clamp follows; 32-bit offsets (inputs of 2^31 elements or more are refused).
+  division where a clamp follows.
 - Online softmax; the forward saves only O and the row max m and sum l (m and l apart, not
   their log-sum-exp, so a padding-only row, whose logits all sit at finfo(float32).min, keeps its
   uniform weights exactly as the reference does).
-- One backward pass per key tile: dK, dV and the phase-MLP gradients (per-program slots, summed
-  in torch: deterministic), and dQ added with fp32 atomics into a zeroed buffer (so dQ's order of
-  summation is not fixed on a GPU: run-to-run differences at fp32 rounding). The correction's
-  gradients of the pair dims go to [B, Hq, L, |M|] buffers joined in torch. GQA: dK, dV per query
-  head (fp32), summed per KV group. Extra memory is O(B Hq L d_h): no L x L buffer.
+- One backward pass per key tile: dK, dV, the pair parts of dK (read-add-write, deterministic);
+  dQ and its pair parts with fp32 atomics into zeroed buffers, and dE/d delta likewise (so their
+  order of summation is not fixed on a GPU: run-to-run differences at fp32 rounding). GQA: dK, dV
+  per query head (fp32), summed per KV group.
 - Inactive KV heads (the per-head warm-up mask) skip the correction entirely: their query heads
-  are routed to plain RoPE SDPA (flash) and only the active heads run the kernel.
+  are routed to plain RoPE SDPA (flash) and only the active heads run the kernels.
 - Precision: q.k, P.V, dO.V, dS.K, dS^T.Q, P^T.dO are tile products in the inputs' dtype (bf16
   tensor cores, fp32 accumulation; P and dS rounded to bf16 as in flash attention); the whole pair
   path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
   inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
   wrong in triton 3.9; the upcast is exact).
 - Launch settings: ``triton.launch.launch_config(d_h, dtype, capability)``, one function used by
-  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles both kernels
-  for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
+  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles the four
+  kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
   target's per-block limit or spills grow) and ``benchmarks/bench_attention_gpu.py
   --compile-only``. ``benchmarks/estimate_gpu.py`` turns the kernels' sm_90 SASS into an
   ESTIMATED H100 step time (not a measurement; correctness is verified in the interpreter only).
@@ -52,6 +55,7 @@ from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
     kernel_constexprs,
+    kernel_options,
     launch_config,
 )
 from mdlmpe_ds.pe.heads import query_head_mask
@@ -59,8 +63,14 @@ from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 # Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
 # triton.launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
-# Largest tile edge accepted on a GPU: the correction tiles BM * BN * |M| live in registers.
+# Largest tile edge accepted on a GPU: the [G, BM, BN] score tiles and [G, tile, d_h] accumulators
+# live in registers (64 fits sm_90's with G = 2, see triton.launch).
 MAX_GPU_TILE = 64
+#: Upper bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each):
+#: the batch is split into chunks of sequences that fit (at least one sequence per launch).
+PAIR_BUFFER_BYTES = 6 * 2**30
+#: Key positions one phase-kernel program covers (a multiple of every phase tile).
+PHASE_KEY_SPAN = 256
 
 
 def _interpreting() -> bool:
@@ -83,8 +93,26 @@ def check_triton_available() -> None:
         )
 
 
+def pair_launches(batch: int, padded: int, num_mdlmpe: int, step: int) -> tuple[int, int]:
+    """(sequences, rows) per launch of the pair buffers: alpha, beta and dE/d delta, three
+    [sequences, |M|, rows, LP] fp32 tensors, kept under PAIR_BUFFER_BYTES. Whole sequences while
+    one fits; else one sequence in blocks of rows, a multiple of ``step`` (at least one step)."""
+    row_bytes = 3 * 4 * num_mdlmpe * padded
+    if row_bytes * padded <= PAIR_BUFFER_BYTES:
+        return max(1, min(batch, PAIR_BUFFER_BYTES // (row_bytes * padded))), padded
+    return 1, max(step, PAIR_BUFFER_BYTES // row_bytes // step * step)
+
+
+def pair_buffer_bytes(batch: int, length: int, num_mdlmpe: int, step: int = MAX_GPU_TILE) -> int:
+    """Peak bytes of the pair buffers during one call's backward (``pair_launches``), with L padded
+    to a multiple of ``step`` (the largest tile by default: an upper bound for any launch setting)."""
+    padded = math.ceil(length / step) * step
+    sequences, rows = pair_launches(batch, padded, num_mdlmpe, step)
+    return 3 * 4 * num_mdlmpe * sequences * rows * padded
+
+
 class _Plan:
-    """Static launch parameters shared by the two kernels of one call."""
+    """Static launch parameters shared by the four kernels of one call."""
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig, tau_max: float
@@ -93,31 +121,93 @@ class _Plan:
         self.num_kv = k.shape[1]
         self.num_pairs = self.head_dim // 2
         self.hidden = w1.shape[0]
-        self.num_mdlmpe = len(mdlmpe_pairs(self.num_pairs))
-        self.tile = config.tile
-        self.meta = kernel_constexprs(
+        self.pairs = mdlmpe_pairs(self.num_pairs).to(q.device)
+        self.num_mdlmpe = len(self.pairs)
+        metas = kernel_constexprs(
             num_heads=self.num_heads,
             num_kv=self.num_kv,
             head_dim=self.head_dim,
             hidden=self.hidden,
             num_mdlmpe=self.num_mdlmpe,
             dtype=q.dtype,
-            tile=config.tile,
-            heads=config.heads_per_program,
-            chunk=config.pair_chunk,
+            config=config,
             interpreting=_interpreting(),
             tau_max=tau_max,
-            split=config.pair_split,
         )
-        self.group = self.meta["G"]
-        self.rows = batch * (self.num_heads // self.group)
-        self.num_tiles = math.ceil(self.length / config.tile)
-        self.meta.update(
-            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers
-        )
+        self.meta = {name: {**meta, **kernel_options(name, config)} for name, meta in metas.items()}
+        self.group = metas["forward"]["G"]
+        self.head_tiles = math.ceil(self.length / config.tile)
+        # Pair buffers are padded to a multiple of both tiles, so the kernels' pair loops need no
+        # masks: LP = ceil(L / T) * T, T = max(tile, phase_tile) (both powers of 2).
+        step = max(config.tile, config.phase_tile)
+        self.padded = math.ceil(self.length / step) * step
+        self.phase_tile = config.phase_tile
+        self.head_tile = config.tile
+        # Key positions per phase-kernel program: enough programs to fill a GPU at batch 1.
+        self.key_span = max(config.phase_tile, min(self.padded, PHASE_KEY_SPAN))
+        # The pair buffers (alpha, beta; in backward also ddelta) are [chunk, NM, RB, LP] fp32 for
+        # a chunk of sequences and a block of RB rows; both are chosen to keep the three under
+        # PAIR_BUFFER_BYTES: whole sequences while one fits, else one sequence in row blocks.
+        self.batch_chunk, self.row_block = pair_launches(batch, self.padded, self.num_mdlmpe, step)
 
-    def dims(self) -> tuple[int, ...]:
-        return (self.length, self.num_heads, self.num_kv, self.num_pairs, self.hidden, self.num_mdlmpe)
+    def blocks(self, batch: int):
+        """(first sequence, end sequence, first row, rows in the buffer) of every launch group."""
+        for s in range(0, batch, self.batch_chunk):
+            e = min(s + self.batch_chunk, batch)
+            for r0 in range(0, self.length, self.row_block):
+                yield s, e, r0, min(self.row_block, self.padded - r0)
+
+    def pair_buffer(self, batch: int, rows: int, device: torch.device, zero: bool = False) -> torch.Tensor:
+        shape = (batch, self.num_mdlmpe, rows, self.padded)
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=torch.float32, device=device)
+
+    def pair_components(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, d_h] -> the MDLMPE pairs' components [B, H, NM, LP, 2] fp32 (dims 2m+1 and
+        F+2m+1 side by side), zero past L."""
+        both = torch.stack((x[..., self.pairs], x[..., self.pairs + self.num_pairs]), dim=-1)
+        both = both.transpose(2, 3).float()  # [B, H, NM, L, 2]
+        return torch.nn.functional.pad(both, (0, 0, 0, self.padded - self.length)).contiguous()
+
+    def phase_grid(self, rows: int, batch: int) -> tuple[int, int, int]:
+        """(row tiles, key spans, sequences) of a phase-kernel launch over ``rows`` rows."""
+        return (rows // self.phase_tile, self.padded // self.key_span, batch)
+
+    def phase_dims(self, r0: int, rows: int) -> tuple[int, ...]:
+        symmetric = int(rows == self.padded)  # the whole plane in one launch (r0 = 0)
+        dims = (self.length, self.padded, r0, rows, self.key_span, symmetric)
+        return (*dims, self.num_pairs, self.hidden, self.num_mdlmpe)
+
+    def alpha_beta(self, A, D, w1, b1, w2, b2, tau_max, clip_kappa, r0: int, rows: int):
+        """alpha, beta [B, NM, rows, LP] of rows r0 .. r0 + rows - 1 (``phase_fwd_kernel``)."""
+        from mdlmpe_ds.attention.triton import kernels as kern
+
+        batch = A.shape[0]
+        alpha = self.pair_buffer(batch, rows, A.device)
+        beta = self.pair_buffer(batch, rows, A.device)
+        kern.phase_fwd_kernel[self.phase_grid(rows, batch)](
+            A,
+            D,
+            w1,
+            b1,
+            w2,
+            b2,
+            alpha,
+            beta,
+            *self.phase_dims(r0, rows),
+            tau_max,
+            clip_kappa,
+            **self.meta["phase_forward"],
+        )
+        return alpha, beta
+
+    def head_dims(self, r0: int, rows: int) -> tuple[int, ...]:
+        return (self.length, self.padded, r0, rows, self.num_heads, self.num_kv, self.num_mdlmpe)
+
+
+def _sequences(s: int, e: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Sequences s .. e - 1 of each tensor (batch-major, so each slice stays contiguous)."""
+    return [t[s:e] for t in tensors]
 
 
 class _MDLMPEAttention(torch.autograd.Function):
@@ -131,26 +221,21 @@ class _MDLMPEAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         row_sum = torch.empty_like(row_max)
-        kern.mdlmpe_fwd_kernel[(plan.num_tiles, plan.rows)](
-            q,
-            k,
-            v,
-            A,
-            D,
-            kbias,
-            w1,
-            b1,
-            w2,
-            b2,
-            out,
-            row_max,
-            row_sum,
-            *plan.dims(),
-            tau_max,
-            clip_kappa,
-            scale,
-            **plan.meta,
-        )
+        qp, kp = plan.pair_components(q), plan.pair_components(k)
+        groups = plan.num_heads // plan.group
+        for s, e, r0, rows in plan.blocks(q.shape[0]):
+            alpha, beta = plan.alpha_beta(A[s:e], D[s:e], w1, b1, w2, b2, tau_max, clip_kappa, r0, rows)
+            row_tiles = math.ceil(min(rows, plan.length - r0) / plan.head_tile)
+            kern.mdlmpe_fwd_kernel[((e - s) * groups, row_tiles)](
+                *_sequences(s, e, q, k, v, qp, kp),
+                alpha,
+                beta,
+                *_sequences(s, e, kbias, out, row_max, row_sum),
+                *plan.head_dims(r0, rows),
+                scale,
+                **plan.meta["forward"],
+            )
+            del alpha, beta
         ctx.save_for_backward(q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum)
         ctx.plan = plan
         ctx.consts = (tau_max, clip_kappa, scale)
@@ -162,54 +247,65 @@ class _MDLMPEAttention(torch.autograd.Function):
 
         q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum = ctx.saved_tensors
         plan: _Plan = ctx.plan
+        tau_max, clip_kappa, scale = ctx.consts
         grad_out = grad_out.contiguous()
         batch, num_heads, length, head_dim = q.shape
         # delta_i = sum_d dO_i O_i, the softmax-backward row term.                    [B, Hq, L]
         row_delta = (grad_out.float() * out.float()).sum(-1)
         f32 = dict(dtype=torch.float32, device=q.device)
-        dk = torch.empty(batch, num_heads, length, head_dim, **f32)
-        dv = torch.empty_like(dk)
+        dk = torch.zeros(batch, num_heads, length, head_dim, **f32)  # row blocks add to dk, dv
+        dv = torch.zeros_like(dk)
         dq = torch.zeros_like(dk)  # every key-tile program adds its share
-        # Zeroed: the kernel adds into these chunk by chunk (dq1, dq2, dk1, dk2; dW2, db2 per slot).
-        pair_grads = [torch.zeros(batch, num_heads, length, plan.num_mdlmpe, **f32) for _ in range(4)]
-        slots = plan.num_tiles * plan.rows
+        qp, kp = plan.pair_components(q), plan.pair_components(k)
+        dqp = torch.zeros(batch, num_heads, plan.num_mdlmpe, plan.padded, 2, **f32)  # atomics
+        dkp = torch.zeros_like(dqp)  # per query head; read-add-write by its key-tile program
+        spans = plan.padded // plan.key_span
+        slots = (plan.padded // plan.phase_tile) * spans * batch  # one per phase-kernel program
         dw1 = torch.empty(slots, *w1.shape, **f32)
         db1 = torch.empty(slots, *b1.shape, **f32)
         dw2 = torch.zeros(slots, *w2.shape, **f32)
         db2 = torch.zeros(slots, *b2.shape, **f32)
-        kern.mdlmpe_bwd_kernel[(plan.num_tiles, plan.rows)](
-            q,
-            k,
-            v,
-            A,
-            D,
-            kbias,
-            w1,
-            b1,
-            w2,
-            b2,
-            grad_out,
-            row_max,
-            row_sum,
-            row_delta,
-            dq,
-            dk,
-            dv,
-            *pair_grads,
-            dw1,
-            db1,
-            dw2,
-            db2,
-            *plan.dims(),
-            *ctx.consts,
-            **plan.meta,
-        )
+        key_tiles, groups = math.ceil(length / plan.head_tile), num_heads // plan.group
+        for s, e, r0, rows in plan.blocks(batch):
+            alpha, beta = plan.alpha_beta(A[s:e], D[s:e], w1, b1, w2, b2, tau_max, clip_kappa, r0, rows)
+            ddelta = plan.pair_buffer(e - s, rows, q.device, zero=True)
+            kern.mdlmpe_bwd_kernel[((e - s) * groups, key_tiles)](
+                *_sequences(s, e, q, k, v, qp, kp),
+                alpha,
+                beta,
+                *_sequences(s, e, kbias, grad_out, row_max, row_sum, row_delta, dq, dk, dv, dqp, dkp),
+                ddelta,
+                *plan.head_dims(r0, rows),
+                scale,
+                **plan.meta["backward"],
+            )
+            del alpha, beta
+            first = s * (plan.padded // plan.phase_tile) * spans  # this chunk's slots
+            kern.phase_bwd_kernel[plan.phase_grid(rows, e - s)](
+                A[s:e],
+                D[s:e],
+                w1,
+                b1,
+                w2,
+                b2,
+                ddelta,
+                dw1[first:],
+                db1[first:],
+                dw2[first:],
+                db2[first:],
+                *plan.phase_dims(r0, rows),
+                tau_max,
+                clip_kappa,
+                **plan.meta["phase_backward"],
+            )
+            del ddelta
         # Add the correction gradients to the MDLMPE pair dims (f and F + f, f odd).
-        pairs = mdlmpe_pairs(plan.num_pairs).to(q.device)
-        dq[..., pairs] += pair_grads[0]
-        dq[..., pairs + plan.num_pairs] += pair_grads[1]
-        dk[..., pairs] += pair_grads[2]
-        dk[..., pairs + plan.num_pairs] += pair_grads[3]
+        pairs = plan.pairs
+        dqp, dkp = dqp[:, :, :, :length].transpose(2, 3), dkp[:, :, :, :length].transpose(2, 3)
+        dq[..., pairs] += dqp[..., 0]  # [B, Hq, L, NM]
+        dq[..., pairs + plan.num_pairs] += dqp[..., 1]
+        dk[..., pairs] += dkp[..., 0]
+        dk[..., pairs + plan.num_pairs] += dkp[..., 1]
         # GQA: query heads h*REP .. h*REP+REP-1 read KV head h.
         rep = num_heads // plan.num_kv
         dk = dk.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
@@ -221,7 +317,7 @@ class _MDLMPEAttention(torch.autograd.Function):
 
 def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
     """The shapes every backend checks (``common.check_inputs``), then what the fused kernel adds:
-    one dtype, 32-bit offsets, no gradient into A and D, a power-of-2 tile that fits the registers."""
+    one dtype, 32-bit offsets, no gradient into A and D, a power-of-2 tile within the GPU range."""
     if q.dim() == 4 and q.shape[-1] % 2:
         raise ValueError(f"triton_attention: head_dim={q.shape[-1]} must be even (rotary pairs)")
     check_inputs("triton_attention", q, k, v, A, D, phase, None, key_valid, block_size)
@@ -242,7 +338,7 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int)
     if not _interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
         raise ValueError(
             f"triton_attention: block_size={block_size} (attention.tile) must be in [16, {MAX_GPU_TILE}] "
-            "on a GPU; the correction tile lives in registers (None picks the one that fits)"
+            "on a GPU; the score tiles live in registers (None picks the one that fits)"
         )
 
 
@@ -260,7 +356,7 @@ def resolve_launch(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
-    pair_split: int | None = None,
+    phase_tile: int | None = None,
 ) -> LaunchConfig:
     """The launch settings of a call: :func:`triton.launch.launch_config` for q's head size, dtype and
     GPU (sm_90's in the interpreter), with any setting given explicitly taking its place."""
@@ -273,7 +369,7 @@ def resolve_launch(
         num_warps=num_warps,
         num_stages=num_stages,
         max_registers=max_registers,
-        pair_split=pair_split,
+        phase_tile=phase_tile,
     )
     return dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
 
@@ -297,7 +393,7 @@ def triton_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
-    pair_split: int | None = None,
+    phase_tile: int | None = None,
 ) -> torch.Tensor:
     """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. (26)).
 
@@ -305,7 +401,7 @@ def triton_attention(
     ``active_kv`` [Hkv] bool (None: all); ``key_valid`` [B, L] bool. ``block_size`` is the row
     and key tile edge; ``heads_per_program``, ``pair_chunk`` (MDLMPE pairs per alpha/beta chunk, a
     power of 2, >= 16 on a GPU), ``num_warps``, ``num_stages``, ``max_registers`` and
-    ``pair_split`` (1 or 2, see ``LaunchConfig``) are GPU tuning knobs; each one
+    ``phase_tile`` (the phase kernels' pair tile, see ``LaunchConfig``) are GPU tuning knobs; each one
     left None comes from ``triton.launch.launch_config`` (the settings checked to fit the GPU).
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
@@ -316,14 +412,12 @@ def triton_attention(
             "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
         )
     config = resolve_launch(
-        q, block_size, heads_per_program, pair_chunk, num_warps, num_stages, max_registers, pair_split
+        q, block_size, heads_per_program, pair_chunk, num_warps, num_stages, max_registers, phase_tile
     )
     _check_inputs(q, k, v, A, D, phase, key_valid, config.tile)
     chunk = config.pair_chunk
     if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")
-    if config.pair_split not in (1, 2):
-        raise ValueError(f"triton_attention: pair_split={config.pair_split} must be 1 or 2")
     batch, num_heads, length, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)

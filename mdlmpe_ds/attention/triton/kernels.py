@@ -1,38 +1,51 @@
-"""The @triton.jit kernels of the fused MDLMPE attention: a forward pass and one backward pass.
+"""The @triton.jit kernels of the fused MDLMPE attention: four launches per forward + backward.
 
 Import this module only after deciding the execution mode: triton 3.9 picks interpreter vs
 compiler when ``triton.jit`` decorates, so ``TRITON_INTERPRET=1`` must already be set by then.
 ``mdlmpe_ds.attention.triton.backend`` imports it lazily, after ``check_triton_available()``.
 
-Layouts (made contiguous by the wrapper, all offsets 32-bit: the wrapper checks every tensor has
-fewer than 2^31 elements): q, o, dO [B, Hq, L, DH]; k, v [B, Hkv, L, DH]; A, D [B, L, F] fp32;
-key bias [B, L] fp32 (0 or finfo(float32).min); row statistics m, l, delta [B, Hq, L] fp32;
-W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32. A program owns G query heads (query head
-h = group * G + g reads KV head h // REP) and one tile of rows (forward) or keys (backward).
+Why four kernels. alpha = cos(delta) - 1 and beta = sin(delta) depend on (i, j, m) only, never on
+the head (Eq. (26); docs/method.md "The correction form"), and are symmetric in (i, j) (Eq. (23)).
+So the pair ratio, the angle, the phase MLP and the sin / cos run once per layer for all heads and
+for half the (i, j) plane, in their own kernels, and the per-head kernels read alpha, beta tiles:
+- ``phase_fwd_kernel`` (per row tile and key span): r, s, the MLP, delta, alpha, beta of the
+  tiles at or right of the diagonal, stored at (i, j) and (j, i) in alpha, beta [B, NM, RB, LP].
+- ``mdlmpe_fwd_kernel`` (per G query heads and row tile): online softmax over key tiles with
+  S = (q.k + E) * scale + key bias. E is accumulated pair by pair, head by head on [BM, BN]
+  tiles: alpha_m, beta_m are loaded once for the G heads, then 6 FMAs per (head, i, j, m).
+  Saves O and the row max m and sum l.
+- ``mdlmpe_bwd_kernel`` (per G query heads and key tile, over row tiles): recomputes E and P,
+  dS = P (dP - delta) * scale; dK, dV held for the key tile; dQ's plain part and the pair parts
+  of dQ added with fp32 atomics (rows are shared between key-tile programs); the pair parts of dK
+  read-added-written (only this program touches its key positions); and dE/d delta, summed over
+  the G heads in registers, atomically added to ddelta [B, NM, RB, LP] (the head groups of a key
+  tile share it).
+- ``phase_bwd_kernel`` (as ``phase_fwd_kernel``): back through tau * tanh and the MLP's output
+  and hidden layers, once per pair for all heads (an off-diagonal tile's gradient is the sum of
+  its (i, j) and (j, i) entries); MLP gradients to per-program slots, summed in torch.
+The atomics make dQ's and the MLP gradients' order of summation unfixed on a GPU (run-to-run
+differences at fp32 rounding). alpha, beta and ddelta are transient HBM buffers: the wrapper
+recomputes alpha, beta for backward and bounds the buffers by launching sequences, or row blocks
+of one sequence (rows R0 .. R0 + RB - 1), that fit its budget; symmetry needs the whole plane in
+one launch and is skipped in row blocks. The head kernels put head groups on the fastest grid
+axis, so programs that run together read the same tiles of these buffers (from L2).
 
-Head-independent work once per (row tile, key tile) for all G heads: the pair ratio r, the angle
-s, the phase MLP's hidden layer (a tile product over the flattened [BM*BN] pairs), then per chunk
-of MC MDLMPE pairs its output layer, delta, alpha = cos(delta) - 1 and beta = sin(delta)
-[BM, BN, MC]. The per-head work is one broadcast over a leading head axis, [G, BM, BN, MC]:
-no per-head loop, no per-head recomputation of the phase. The backward sums dE/dalpha and
-dE/dbeta over the G heads before the phase MLP's backward, which thus runs once per tile.
+Layouts (made contiguous by the wrapper): q, o, dO [B, Hq, L, DH]; k, v [B, Hkv, L, DH]; the
+MDLMPE pair components qp [B, Hq, NM, LP, 2], kp [B, Hkv, NM, LP, 2] fp32 (component 0: dim
+2m+1, component 1: dim F+2m+1, side by side: one paired load; zero past L); their gradients dqp,
+dkp [B, Hq, NM, LP, 2]; A, D [B, L, F] fp32; key bias [B, L] fp32 (0 or finfo(float32).min); row
+statistics m, l, delta [B, Hq, L] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32. Query head h
+reads KV head h // REP. LP is L padded to a multiple of every tile, so the pair loops need no
+masks. Offsets within one pair plane are 32-bit; a sequence's and a pair's planes are reached by
+64-bit pointer arithmetic.
 
-The correction (Eq. (26); docs/method.md "The correction form") for rotary pair m (dims 2m+1 and F+2m+1):
-E_ij = sum_m alpha (q1 k1 + q2 k2) + beta (q2 k1 - q1 k2) = sum_m k1 (alpha q1 + beta q2)
-+ k2 (alpha q2 - beta q1).
+The correction for MDLMPE pair m (dims 2m+1 and F+2m+1), with C = q1 k1 + q2 k2 and
+S = q2 k1 - q1 k2: E_ij = sum_m alpha C + beta S. Its gradients: dE/dq1 = alpha k1 - beta k2,
+dE/dq2 = alpha k2 + beta k1, dE/dk1 = alpha q1 + beta q2, dE/dk2 = alpha q2 - beta q1,
+dE/dalpha = C, dE/dbeta = S, and d alpha / d delta = -beta, d beta / d delta = 1 + alpha.
 
-Passes (what each one holds and why):
-- forward, per row tile: q [G, BM, DH] and the online-softmax state (max, sum, O accumulator) of
-  its G heads; saves O, the row max and the row sum (no L x L buffer).
-- backward, per key tile: k, v [G, BN, DH] and the dK, dV accumulators of its G heads, and the
-  program's phase-MLP gradients. Per row tile it recomputes the hidden layer and E (needed for P),
-  then dS; dQ = dS K and the correction's dE/dq are added with atomics into fp32 buffers (rows
-  are shared between key-tile programs: their order of addition is not fixed on a GPU), so no
-  separate dQ pass recomputes the phase. dE/dk goes to [B, Hq, L, NM] buffers only this program
-  adds to (in program order), MLP grads to per-program slots (summed in torch): deterministic.
-
-Every power-of-two padding (DP, FP, HP, chunk tails) is masked on load; padded pairs get zero
-weights, hence delta = 0 and alpha = beta = 0 there.
+Every power-of-two padding of the phase kernels (FP, HP, chunk tails) is masked on load; padded
+pairs get zero weights, hence delta = 0 and alpha = beta = 0 there.
 """
 
 from __future__ import annotations
@@ -46,6 +59,168 @@ POLY_TAU_MAX = 0.5
 #: first omitted term), before fp32 rounding: |sin| 0.5^9 / 9! = 5.4e-9, |cos - 1| 0.5^10 / 10!.
 POLY_SIN_BOUND = 0.5**9 / 362880
 POLY_COS_BOUND = 0.5**10 / 3628800
+
+
+@triton.jit
+def _plane_tile(rows, cols, LP):
+    """Offsets [BM, BN] of a (row tile, key tile) inside one LP x LP pair plane."""
+    return rows[:, None] * LP + cols[None, :]
+
+
+@triton.jit
+def _unstack_heads(x, G: tl.constexpr):
+    """[G, R, C] -> a tuple of G [R, C] tiles in head order (G = 1, 2, 4 or 8)."""
+    R: tl.constexpr = x.shape[1]
+    C: tl.constexpr = x.shape[2]
+    if G == 1:
+        return (tl.reshape(x, (R, C)),)
+    elif G == 2:
+        return tl.split(tl.permute(x, (1, 2, 0)))
+    elif G == 4:
+        lo, hi = tl.split(tl.reshape(tl.permute(x, (1, 2, 0)), (R, C, 2, 2)))  # h % 2 == 0 / 1
+        h0, h2 = tl.split(lo)
+        h1, h3 = tl.split(hi)
+        return (h0, h1, h2, h3)
+    else:
+        tl.static_assert(G == 8, "heads per program must be 1, 2, 4 or 8")
+        y = tl.reshape(tl.permute(x, (1, 2, 0)), (R, C, 2, 2, 2))  # h = 4a + 2b + c
+        c0, c1 = tl.split(y)
+        b00, b01 = tl.split(c0)  # (b, c) = (0, 0), (1, 0)
+        b10, b11 = tl.split(c1)  # (0, 1), (1, 1)
+        h0, h4 = tl.split(b00)
+        h2, h6 = tl.split(b01)
+        h1, h5 = tl.split(b10)
+        h3, h7 = tl.split(b11)
+        return (h0, h1, h2, h3, h4, h5, h6, h7)
+
+
+@triton.jit
+def _head_pairs(b, head, pos, num_heads, NM, LP):
+    """Offsets [R, 2] of pair 0's two components at positions ``pos`` [R] for one head in a
+    [B, H, NM, LP, 2] array; pair m is 2 * m * LP further."""
+    return (((b * num_heads + head) * NM * LP + pos) * 2)[:, None] + tl.arange(0, 2)[None, :]
+
+
+@triton.jit
+def _correction_grads(
+    qp,
+    kp,
+    dqp,
+    dkp,
+    alpha,
+    beta,
+    ddelta,
+    dsh,
+    b,
+    h0,
+    REP,
+    rows,
+    cols,
+    R0,
+    RB,
+    HQ,
+    HKV,
+    LP,
+    NM,
+    G: tl.constexpr,
+):
+    """The correction's gradients for one (row tile, key tile) and the program's G heads, given
+    dS per head (``dsh``, a tuple of G [BM, BN] tiles): per pair m, alpha_m, beta_m are loaded once;
+    per head, with P = dS (alpha + i beta), z_q = q1 + i q2, z_k = k1 + i k2:
+    dz_q = sum_j P z_k (atomically added to dqp), dz_k = sum_i conj(P) z_q (read-add-write to
+    dkp), and dE/d delta dS = -Im(conj(z_q) (dS z_k + P z_k)), summed over the heads in registers
+    and atomically added to ddelta (alpha, beta, ddelta point at the sequence's pair 0; their planes
+    hold rows R0 .. R0 + RB - 1)."""
+    tile = _plane_tile(rows - R0, cols, LP)
+    plane = RB * LP
+    pa = alpha + tile
+    pb = beta + tile
+    pd = ddelta + tile
+    for m in range(NM):
+        al = tl.load(pa)
+        be = tl.load(pb)
+        dd = tl.zeros(al.shape, tl.float32)
+        for g in tl.static_range(G):
+            q_off = _head_pairs(b, h0 + g, rows, HQ, NM, LP) + 2 * m * LP  # [BM, 2]
+            k_off = _head_pairs(b, (h0 + g) // REP, cols, HKV, NM, LP) + 2 * m * LP  # [BN, 2]
+            dk_off = _head_pairs(b, h0 + g, cols, HQ, NM, LP) + 2 * m * LP
+            q1, q2 = tl.split(tl.load(qp + q_off))
+            k1, k2 = tl.split(tl.load(kp + k_off))
+            q1 = q1[:, None]
+            q2 = q2[:, None]
+            k1 = k1[None, :]
+            k2 = k2[None, :]
+            ds = dsh[g]
+            ga = ds * al
+            gb = ds * be
+            v1 = ga * k1 - gb * k2  # P z_k
+            v2 = ga * k2 + gb * k1
+            tl.atomic_add(dqp + q_off, tl.join(tl.sum(v1, axis=1), tl.sum(v2, axis=1)), sem="relaxed")
+            dk = tl.join(tl.sum(ga * q1 + gb * q2, axis=0), tl.sum(ga * q2 - gb * q1, axis=0))
+            tl.store(dkp + dk_off, tl.load(dkp + dk_off) + dk)
+            dd += q2 * (ds * k1 + v1) - q1 * (ds * k2 + v2)
+        tl.atomic_add(pd, dd, sem="relaxed")
+        pa += plane
+        pb += plane
+        pd += plane
+
+
+@triton.jit
+def _stack_heads(t, G: tl.constexpr):
+    """The inverse of ``_unstack_heads``: a tuple of G [R, C] tiles in head order -> [G, R, C]."""
+    if G == 1:
+        x = t[0][None, :, :]
+    elif G == 2:
+        x = tl.permute(tl.join(t[0], t[1]), (2, 0, 1))
+    elif G == 4:
+        lo = tl.join(t[0], t[2])
+        hi = tl.join(t[1], t[3])
+        y = tl.join(lo, hi)  # [R, C, 2 (h // 2), 2 (h % 2)]
+        x = tl.permute(tl.reshape(y, (y.shape[0], y.shape[1], 4)), (2, 0, 1))
+    else:
+        tl.static_assert(G == 8, "heads per program must be 1, 2, 4 or 8")
+        b00 = tl.join(t[0], t[4])
+        b01 = tl.join(t[2], t[6])
+        b10 = tl.join(t[1], t[5])
+        b11 = tl.join(t[3], t[7])
+        y = tl.join(tl.join(b00, b01), tl.join(b10, b11))  # [R, C, 2 (a), 2 (b), 2 (c)]
+        x = tl.permute(tl.reshape(y, (y.shape[0], y.shape[1], 8)), (2, 0, 1))
+    return x
+
+
+@triton.jit
+def _correction(qp, kp, alpha, beta, b, h0, REP, rows, cols, R0, RB, HQ, HKV, LP, NM, G: tl.constexpr):
+    """E [G, BM, BN] = sum_m alpha_m C + beta_m S of the program's heads h0 .. h0 + G - 1 (6 FMAs
+    per head, pair and (i, j)), head by head on [BM, BN] tiles: alpha_m, beta_m [BM, BN] are loaded
+    once for the G heads (alpha, beta point at the sequence's pair 0; their planes hold rows
+    R0 .. R0 + RB - 1). Every buffer is padded to LP: the loop has no masks."""
+    tile = _plane_tile(rows - R0, cols, LP)
+    plane = RB * LP
+    pa = alpha + tile
+    pb = beta + tile
+    # One [BM, BN] accumulator per head, a tuple (Triton's JIT builds tuples by concatenation).
+    e = ()
+    for _ in tl.static_range(G):
+        e = e + (tl.zeros(tile.shape, tl.float32),)  # noqa: RUF005
+    for m in range(NM):
+        al = tl.load(pa)
+        be = tl.load(pb)
+        out = ()
+        for g in tl.static_range(G):
+            q_off = _head_pairs(b, h0 + g, rows, HQ, NM, LP) + 2 * m * LP  # [BM, 2]
+            k_off = _head_pairs(b, (h0 + g) // REP, cols, HKV, NM, LP) + 2 * m * LP  # [BN, 2]
+            q1, q2 = tl.split(tl.load(qp + q_off))
+            k1, k2 = tl.split(tl.load(kp + k_off))
+            q1 = q1[:, None]
+            q2 = q2[:, None]
+            k1 = k1[None, :]
+            k2 = k2[None, :]
+            eg = tl.fma(al, q1 * k1 + q2 * k2, e[g])
+            out = out + (tl.fma(be, q2 * k1 - q1 * k2, eg),)  # noqa: RUF005
+        e = out
+        pa += plane
+        pb += plane
+    return _stack_heads(e, G)
 
 
 @triton.jit
@@ -168,148 +343,6 @@ def _phase_chunk(
 
 
 @triton.jit
-def _pair_heads(ptr, b, heads, rows, pm, F, NM, num_heads, L, DH, row_ok):
-    """Pair components x1 = x[.., 2m+1], x2 = x[.., F+2m+1] for the pairs m in ``pm`` [S] of every
-    head: fp32 [G, R, S], zero outside."""
-    base = ((b * num_heads + heads[:, None, None]) * L + rows[None, :, None]) * DH
-    dim = (2 * pm + 1)[None, None, :]
-    mask = row_ok[None, :, None] & (pm < NM)[None, None, :]
-    x1 = tl.load(ptr + base + dim, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + base + dim + F, mask=mask, other=0.0).to(tl.float32)
-    return x1, x2
-
-
-@triton.jit
-def _sub_pairs(c: tl.constexpr, part: tl.constexpr, MC: tl.constexpr, SPLIT: tl.constexpr):
-    """MDLMPE pairs of sub-chunk ``part`` of chunk c: m = c*MC + SPLIT*k + part, k < MC / SPLIT."""
-    return c * MC + SPLIT * tl.arange(0, MC // SPLIT) + part
-
-
-@triton.jit
-def _correction_sub(
-    q, k, alpha, beta, b, heads, kv_heads, rows, cols, row_ok, col_ok, pm, F, HQ, HKV, L, DH, NM
-):
-    """sum over the pairs ``pm`` of k1 (alpha q1 + beta q2) + k2 (alpha q2 - beta q1): [G, BM, BN].
-    alpha, beta [BM, BN, S] are shared by the G heads (a broadcast over the leading head axis)."""
-    q1, q2 = _pair_heads(q, b, heads, rows, pm, F, NM, HQ, L, DH, row_ok)  # [G, BM, S]
-    k1, k2 = _pair_heads(k, b, kv_heads, cols, pm, F, NM, HKV, L, DH, col_ok)  # [G, BN, S]
-    a4 = alpha[None, :, :, :]
-    b4 = beta[None, :, :, :]
-    q1b = q1[:, :, None, :]
-    q2b = q2[:, :, None, :]
-    uq = a4 * q1b + b4 * q2b  # [G, BM, BN, S]
-    wq = a4 * q2b - b4 * q1b
-    return tl.sum(k1[:, None, :, :] * uq + k2[:, None, :, :] * wq, axis=3)
-
-
-@triton.jit
-def _correction(
-    q,
-    k,
-    hid,
-    w2,
-    b2,
-    b,
-    heads,
-    kv_heads,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    F,
-    HQ,
-    HKV,
-    L,
-    DH,
-    HID,
-    NM,
-    tau_max,
-    G: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    HP: tl.constexpr,
-    MC: tl.constexpr,
-    NC: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PREC: tl.constexpr,
-    POLY: tl.constexpr,
-):
-    """E [G, BM, BN] of the program's heads: per pair chunk, alpha and beta once for all heads.
-
-    E = sum_m k1 (alpha q1 + beta q2) + k2 (alpha q2 - beta q1): 6 FMAs per (head, i, j, m).
-    """
-    e = tl.zeros((G, BM, BN), tl.float32)
-    for c in tl.static_range(NC):
-        _, alpha, beta, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-        # SPLIT 2: the chunk's even and odd pairs apart (a register-level split, no data movement),
-        # which halves the live [G, BM, BN, MC / SPLIT] head tiles.
-        args = (b, heads, kv_heads, rows, cols, row_ok, col_ok)
-        if SPLIT == 2:
-            a0, a1 = tl.split(tl.reshape(alpha, (BM, BN, MC // 2, 2)))
-            be0, be1 = tl.split(tl.reshape(beta, (BM, BN, MC // 2, 2)))
-            e += _correction_sub(q, k, a0, be0, *args, _sub_pairs(c, 0, MC, 2), F, HQ, HKV, L, DH, NM)
-            e += _correction_sub(q, k, a1, be1, *args, _sub_pairs(c, 1, MC, 2), F, HQ, HKV, L, DH, NM)
-        else:
-            e += _correction_sub(q, k, alpha, beta, *args, _sub_pairs(c, 0, MC, 1), F, HQ, HKV, L, DH, NM)
-    return e
-
-
-@triton.jit
-def _grad_sub(
-    q,
-    k,
-    ds4,
-    alpha,
-    beta,
-    dq1_ptr,
-    dq2_ptr,
-    dk1_ptr,
-    dk2_ptr,
-    b,
-    heads,
-    kv_heads,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    pm,
-    F,
-    HQ,
-    HKV,
-    L,
-    DH,
-    NM,
-):
-    """The correction's gradients for the pairs ``pm`` [S] (ds4 = dS [G, BM, BN, 1]):
-    dE/dk1 = alpha q1 + beta q2, dE/dk2 = alpha q2 - beta q1 (summed over rows, added to this
-    program's key rows of dk1, dk2), dE/dq1 = alpha k1 - beta k2, dE/dq2 = alpha k2 + beta k1
-    (summed over keys, atomically added to dq1, dq2). Returns dE/dalpha = q1 k1 + q2 k2 and
-    dE/dbeta = q2 k1 - q1 k2, dS-weighted and summed over the G heads: [BM, BN, S]."""
-    q1, q2 = _pair_heads(q, b, heads, rows, pm, F, NM, HQ, L, DH, row_ok)  # [G, BM, S]
-    k1, k2 = _pair_heads(k, b, kv_heads, cols, pm, F, NM, HKV, L, DH, col_ok)  # [G, BN, S]
-    p_ok = pm < NM
-    a4 = alpha[None, :, :, :]
-    b4 = beta[None, :, :, :]
-    k1b = k1[:, None, :, :]
-    k2b = k2[:, None, :, :]
-    dsq1 = ds4 * q1[:, :, None, :]  # [G, BM, BN, S]
-    dsq2 = ds4 * q2[:, :, None, :]
-    dk_off = ((b * HQ + heads[:, None, None]) * L + cols[None, :, None]) * NM + pm[None, None, :]
-    dk_mask = col_ok[None, :, None] & p_ok[None, None, :]
-    tl.atomic_add(dk1_ptr + dk_off, tl.sum(a4 * dsq1 + b4 * dsq2, axis=1), mask=dk_mask)
-    tl.atomic_add(dk2_ptr + dk_off, tl.sum(a4 * dsq2 - b4 * dsq1, axis=1), mask=dk_mask)
-    dsk1 = ds4 * k1b
-    dsk2 = ds4 * k2b
-    dq_off = ((b * HQ + heads[:, None, None]) * L + rows[None, :, None]) * NM + pm[None, None, :]
-    dq_mask = row_ok[None, :, None] & p_ok[None, None, :]
-    tl.atomic_add(dq1_ptr + dq_off, tl.sum(a4 * dsk1 - b4 * dsk2, axis=2), mask=dq_mask)
-    tl.atomic_add(dq2_ptr + dq_off, tl.sum(a4 * dsk2 + b4 * dsk1, axis=2), mask=dq_mask)
-    d_alpha = tl.sum(dsq1 * k1b + dsq2 * k2b, axis=0)  # [BM, BN, S]
-    d_beta = tl.sum(dsq2 * k1b - dsq1 * k2b, axis=0)
-    return d_alpha, d_beta
-
-
-@triton.jit
 def _load_heads(ptr, b, heads, rows, cols, num_heads, L, DH, row_ok, col_ok):
     """x[b, heads, rows, cols] of a [B, H, L, DH] tensor in its dtype, [G, R, C]; zero outside."""
     offs = ((b * num_heads + heads[:, None, None]) * L + rows[None, :, None]) * DH + cols[None, None, :]
@@ -342,62 +375,224 @@ def _load_w1(w1, b1, F, HID, FP: tl.constexpr, HP: tl.constexpr):
 
 
 @triton.jit
-def mdlmpe_fwd_kernel(
-    q,
-    k,
-    v,
+def _phase_program(
+    a_ptr, d_ptr, w1, b1, L, LP, R0, KSPAN, SYM, F, HID, FP: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr
+):
+    """What a phase-kernel program (grid: row tiles, key spans, sequences) works on: its sequence b,
+    rows [BM], the feature index f [FP] and its mask, the rows' A, D [BM, FP], W1 transposed and b1,
+    the first row (the diagonal) and its key range [lo, hi): the span, from the diagonal on if SYM."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = tl.program_id(2)
+    diagonal = R0 + pid_m * BM
+    rows = diagonal + tl.arange(0, BM)
+    row_ok = rows < L
+    f = tl.arange(0, FP)
+    f_ok = f < F
+    a_i = _load_rows(a_ptr, b, rows, f, L, F, row_ok, f_ok, 0.0)  # [BM, FP]
+    d_i = _load_rows(d_ptr, b, rows, f, L, F, row_ok, f_ok, 1.0)
+    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
+    lo = pid_k * KSPAN
+    if SYM:
+        lo = tl.maximum(lo, diagonal)
+    return b, rows, f, f_ok, a_i, d_i, w1t, b1v, diagonal, lo, tl.minimum(pid_k * KSPAN + KSPAN, LP)
+
+
+@triton.jit
+def _chunk_planes(c: tl.constexpr, MC: tl.constexpr, NM, RB, LP, cols, diagonal, BM: tl.constexpr):
+    """Pairs m [MC] of chunk c, their planes' offsets [1, 1, MC] in a [NM, RB, LP] buffer, the
+    mask of real pairs, and that mask off the diagonal tile (cols past the row tile: the tile
+    also stands for its mirror (j, i))."""
+    m = c * MC + tl.arange(0, MC)
+    plane = m[None, None, :].to(tl.int64) * RB * LP
+    mask = (m < NM)[None, None, :]
+    return m, plane, mask, mask & (cols[None, :, None] >= diagonal + BM)
+
+
+@triton.jit
+def phase_fwd_kernel(
     a_ptr,
     d_ptr,
-    kbias,
     w1,
     b1,
     w2,
     b2,
-    o,
-    m_out,
-    l_out,
+    alpha,
+    beta,
     L,
-    HQ,
-    HKV,
+    LP,
+    R0,
+    RB,
+    KSPAN,
+    SYM,
     F,
     HID,
     NM,
     tau_max,
     clip_kappa,
+    FP: tl.constexpr,
+    HP: tl.constexpr,
+    MC: tl.constexpr,
+    NC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+    POLY: tl.constexpr,
+):
+    """alpha, beta [B, NM, RB, LP] (rows R0 .. R0 + RB - 1) of one row tile against KSPAN key
+    positions (Eqs. (23)-(26)), the padding included (A = 0, D = 1 there: finite values that meet
+    zero pair components). SYM (the whole plane in one launch, R0 = 0, RB = LP): r, hence delta,
+    alpha and beta, are symmetric in (i, j) (Eq. (23) adds A_i + A_j and D_i + D_j, the same fp32
+    sums either way), so only key tiles at or right of the diagonal are computed and each one is
+    also stored transposed."""
+    b, rows, f, f_ok, a_i, d_i, w1t, b1v, diagonal, lo, hi = _phase_program(
+        a_ptr, d_ptr, w1, b1, L, LP, R0, KSPAN, SYM, F, HID, FP, HP, BM
+    )
+    seq = b.to(tl.int64) * NM * RB * LP
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        a_j = _load_rows(a_ptr, b, cols, f, L, F, cols < L, f_ok, 0.0)
+        d_j = _load_rows(d_ptr, b, cols, f, L, F, cols < L, f_ok, 1.0)
+        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        tile = _plane_tile(rows - R0, cols, LP)[:, :, None]
+        mirror = cols[None, :, None] * LP + rows[:, None, None]  # (j, i) in a whole-sequence plane
+        for c in tl.static_range(NC):
+            _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+            _, plane, mask, off_diagonal = _chunk_planes(c, MC, NM, RB, LP, cols, diagonal, BM)
+            tl.store(alpha + seq + plane + tile, al, mask=mask)
+            tl.store(beta + seq + plane + tile, be, mask=mask)
+            if SYM:
+                tl.store(alpha + seq + plane + mirror, al, mask=off_diagonal)
+                tl.store(beta + seq + plane + mirror, be, mask=off_diagonal)
+
+
+@triton.jit
+def phase_bwd_kernel(
+    a_ptr,
+    d_ptr,
+    w1,
+    b1,
+    w2,
+    b2,
+    ddelta,
+    dw1,
+    db1,
+    dw2,
+    db2,
+    L,
+    LP,
+    R0,
+    RB,
+    KSPAN,
+    SYM,
+    F,
+    HID,
+    NM,
+    tau_max,
+    clip_kappa,
+    FP: tl.constexpr,
+    HP: tl.constexpr,
+    MC: tl.constexpr,
+    NC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+    POLY: tl.constexpr,
+):
+    """From dE/d delta [B, NM, RB, LP] (rows R0 .. R0 + RB - 1, summed over all heads) back through
+    tau * tanh and the phase MLP's output and hidden layers, for one row tile against KSPAN key
+    positions. The hidden layer is recomputed (SWAP) after the chunk loop rather than held through
+    it. SYM as in ``phase_fwd_kernel``: an off-diagonal tile's MLP input serves (i, j) and (j, i),
+    so its output gradient is the sum of both entries. Gradients go to this program's slot of
+    dw1 [S, H, F], db1 [S, H], dw2 [S, NM, H], db2 [S, NM] (dw2, db2 zeroed)."""
+    b, rows, f, f_ok, a_i, d_i, w1t, b1v, diagonal, lo, hi = _phase_program(
+        a_ptr, d_ptr, w1, b1, L, LP, R0, KSPAN, SYM, F, HID, FP, HP, BM
+    )
+    # One slot per (sequence, row tile of the whole sequence, key span).
+    slot = (b * (LP // BM) + diagonal // BM) * tl.num_programs(1) + tl.program_id(1)
+    hh = tl.arange(0, HP)
+    seq = b.to(tl.int64) * NM * RB * LP
+    dw1_acc = tl.zeros((HP, FP), tl.float32)
+    db1_acc = tl.zeros((HP,), tl.float32)
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        a_j = _load_rows(a_ptr, b, cols, f, L, F, cols < L, f_ok, 0.0)
+        d_j = _load_rows(d_ptr, b, cols, f, L, F, cols < L, f_ok, 1.0)
+        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        tile = _plane_tile(rows - R0, cols, LP)[:, :, None]
+        mirror = cols[None, :, None] * LP + rows[:, None, None]
+        d_hid = tl.zeros((BM * BN, HP), tl.float32)
+        for c in tl.static_range(NC):
+            t, _, _, w2c = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+            m, plane, mask, off_diagonal = _chunk_planes(c, MC, NM, RB, LP, cols, diagonal, BM)
+            d_delta = tl.load(ddelta + seq + plane + tile, mask=mask, other=0.0)  # [BM, BN, MC]
+            if SYM:
+                d_delta += tl.load(ddelta + seq + plane + mirror, mask=off_diagonal, other=0.0)
+            d_out = tl.reshape(d_delta, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
+            p_ok = m < NM
+            w_mask = p_ok[:, None] & (hh[None, :] < HID)
+            dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
+            w2_slot = dw2 + slot * NM * HID + m[:, None] * HID + hh[None, :]
+            tl.atomic_add(w2_slot, dw2_c, mask=w_mask, sem="relaxed")  # only this program's slot
+            tl.atomic_add(db2 + slot * NM + m, tl.sum(d_out, axis=0), mask=p_ok, sem="relaxed")
+            d_hid += tl.dot(d_out, w2c, input_precision=PREC)  # [BM*BN, HP]
+        s2, pre, sig, _ = _phase_hidden(
+            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC, True
+        )
+        d_pre = d_hid * sig * (1.0 + pre * (1.0 - sig))
+        dw1_acc += tl.dot(tl.trans(d_pre), s2, input_precision=PREC)
+        db1_acc += tl.sum(d_pre, axis=0)
+    w1_mask = (hh[:, None] < HID) & f_ok[None, :]
+    tl.store(dw1 + slot * HID * F + hh[:, None] * F + f[None, :], dw1_acc, mask=w1_mask)
+    tl.store(db1 + slot * HID + hh, db1_acc, mask=hh < HID)
+
+
+@triton.jit
+def mdlmpe_fwd_kernel(
+    q,
+    k,
+    v,
+    qp,
+    kp,
+    alpha,
+    beta,
+    kbias,
+    o,
+    m_out,
+    l_out,
+    L,
+    LP,
+    R0,
+    RB,
+    HQ,
+    HKV,
+    NM,
     scale,
     REP: tl.constexpr,
     G: tl.constexpr,
     DH: tl.constexpr,
     DP: tl.constexpr,
-    FP: tl.constexpr,
-    HP: tl.constexpr,
-    MC: tl.constexpr,
-    NC: tl.constexpr,
-    SPLIT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    POLY: tl.constexpr,
 ):
     """Online-softmax forward over key tiles; saves O and the row statistics (max m, sum l)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Head groups on the fastest grid axis: the programs running together share a row tile, so
+    # its alpha, beta planes are read from HBM once and from L2 by the other groups.
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
     groups = HQ // G
     b = pid_bh // groups
-    heads = (pid_bh % groups) * G + tl.arange(0, G)  # [G] query heads
+    heads0 = (pid_bh % groups) * G
+    heads = heads0 + tl.arange(0, G)  # [G] query heads
     kv_heads = heads // REP
-    rows = pid_m * BM + tl.arange(0, BM)
+    rows = R0 + pid_m * BM + tl.arange(0, BM)
     row_ok = rows < L
     d = tl.arange(0, DP)
     d_ok = d < DH
-    f = tl.arange(0, FP)
-    f_ok = f < F
-
+    seq = b.to(tl.int64) * NM * RB * LP
     qt = _load_heads(q, b, heads, rows, d, HQ, L, DH, row_ok, d_ok)  # [G, BM, DP]
-    a_i = _load_rows(a_ptr, b, rows, f, L, F, row_ok, f_ok, 0.0)  # [BM, FP]
-    d_i = _load_rows(d_ptr, b, rows, f, L, F, row_ok, f_ok, 1.0)
-    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
 
     m_i = tl.full((G, BM), float("-inf"), tl.float32)
     l_i = tl.zeros((G, BM), tl.float32)
@@ -407,43 +602,11 @@ def mdlmpe_fwd_kernel(
         col_ok = cols < L
         kt = _load_heads_t(k, b, kv_heads, cols, d, HKV, L, DH, col_ok, d_ok)  # [G, DP, BN]
         vt = _load_heads(v, b, kv_heads, cols, d, HKV, L, DH, col_ok, d_ok)  # [G, BN, DP]
-        a_j = _load_rows(a_ptr, b, cols, f, L, F, col_ok, f_ok, 0.0)
-        d_j = _load_rows(d_ptr, b, cols, f, L, F, col_ok, f_ok, 1.0)
         bias = tl.load(kbias + b * L + cols, mask=col_ok, other=float("-inf"))  # [BN]
-        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
         e = _correction(
-            q,
-            k,
-            hid,
-            w2,
-            b2,
-            b,
-            heads,
-            kv_heads,
-            rows,
-            cols,
-            row_ok,
-            col_ok,
-            F,
-            HQ,
-            HKV,
-            L,
-            DH,
-            HID,
-            NM,
-            tau_max,
-            G,
-            BM,
-            BN,
-            HP,
-            MC,
-            NC,
-            SPLIT,
-            PREC,
-            POLY,
+            qp, kp, alpha + seq, beta + seq, b, heads0, REP, rows, cols, R0, RB, HQ, HKV, LP, NM, G
         )
-        qk = _mm(qt, kt, PREC, UPCAST)  # [G, BM, BN]
-        s = (qk + e) * scale + bias[None, None, :]
+        s = (_mm(qt, kt, PREC, UPCAST) + e) * scale + bias[None, None, :]  # [G, BM, BN]
         m_new = tl.maximum(m_i, tl.max(s, axis=2))
         p = tl.exp(s - m_new[:, :, None])
         corr = tl.exp(m_i - m_new)
@@ -464,13 +627,11 @@ def mdlmpe_bwd_kernel(
     q,
     k,
     v,
-    a_ptr,
-    d_ptr,
+    qp,
+    kp,
+    alpha,
+    beta,
     kbias,
-    w1,
-    b1,
-    w2,
-    b2,
     do_ptr,
     m_ptr,
     l_ptr,
@@ -478,71 +639,50 @@ def mdlmpe_bwd_kernel(
     dq,
     dk,
     dv,
-    dq1_ptr,
-    dq2_ptr,
-    dk1_ptr,
-    dk2_ptr,
-    dw1,
-    db1,
-    dw2,
-    db2,
+    dqp,
+    dkp,
+    ddelta,
     L,
+    LP,
+    R0,
+    RB,
     HQ,
     HKV,
-    F,
-    HID,
     NM,
-    tau_max,
-    clip_kappa,
     scale,
     REP: tl.constexpr,
     G: tl.constexpr,
     DH: tl.constexpr,
     DP: tl.constexpr,
-    FP: tl.constexpr,
-    HP: tl.constexpr,
-    MC: tl.constexpr,
-    NC: tl.constexpr,
-    SPLIT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    POLY: tl.constexpr,
 ):
-    """Per key tile: dK, dV (per query head, fp32), this program's phase-MLP grads, and its share of
-    dQ (atomic adds into dq [B, Hq, L, DH] and dq1, dq2 [B, Hq, L, NM], all fp32, zeroed).
-
-    dK's correction part goes to dk1, dk2 [B, Hq, L, NM] (zeroed; only this program adds to its key
-    rows) and is joined to the pair dims by the wrapper. MLP grads go to per-program slots.
-    """
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """Per G query heads and key tile, over rows R0 .. R0 + RB - 1: dK, dV (per query head, fp32,
+    added to what earlier row blocks left), dQ's plain part and the pair parts dqp (atomic adds),
+    the pair parts of dK in dkp (read-add-write: only this program touches its key positions), and
+    dE/d delta summed over the G heads, atomically added to ddelta [B, NM, RB, LP]. Every output
+    buffer is zeroed by the wrapper. Rows past L have P = 0, hence dS = 0: they add zeros."""
+    pid_bh = tl.program_id(0)  # head groups fastest: they share the key tile's pair planes in L2
+    pid_n = tl.program_id(1)
     groups = HQ // G
     b = pid_bh // groups
-    heads = (pid_bh % groups) * G + tl.arange(0, G)
+    heads0 = (pid_bh % groups) * G
+    heads = heads0 + tl.arange(0, G)
     kv_heads = heads // REP
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < L
     d = tl.arange(0, DP)
     d_ok = d < DH
-    f = tl.arange(0, FP)
-    f_ok = f < F
-    hh = tl.arange(0, HP)
-    slot = pid_bh * tl.num_programs(0) + pid_n
+    seq = b.to(tl.int64) * NM * RB * LP
 
     kt = _load_heads_t(k, b, kv_heads, cols, d, HKV, L, DH, col_ok, d_ok)  # [G, DP, BN]
     vt = _load_heads_t(v, b, kv_heads, cols, d, HKV, L, DH, col_ok, d_ok)  # [G, DP, BN]
-    a_j = _load_rows(a_ptr, b, cols, f, L, F, col_ok, f_ok, 0.0)
-    d_j = _load_rows(d_ptr, b, cols, f, L, F, col_ok, f_ok, 1.0)
     bias = tl.load(kbias + b * L + cols, mask=col_ok, other=float("-inf"))
-    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
-
     dk_acc = tl.zeros((G, BN, DP), tl.float32)
     dv_acc = tl.zeros((G, BN, DP), tl.float32)
-    dw1_acc = tl.zeros((HP, FP), tl.float32)
-    db1_acc = tl.zeros((HP,), tl.float32)
-    for start in range(0, L, BM):
+    for start in range(R0, tl.minimum(R0 + RB, L), BM):
         rows = start + tl.arange(0, BM)
         row_ok = rows < L
         qt = _load_heads(q, b, heads, rows, d, HQ, L, DH, row_ok, d_ok)  # [G, BM, DP]
@@ -551,39 +691,8 @@ def mdlmpe_bwd_kernel(
         m_i = tl.load(m_ptr + stat, mask=row_ok[None, :], other=0.0)
         l_i = tl.load(l_ptr + stat, mask=row_ok[None, :], other=1.0)
         delta_i = tl.load(dlt_ptr + stat, mask=row_ok[None, :], other=0.0)
-        a_i = _load_rows(a_ptr, b, rows, f, L, F, row_ok, f_ok, 0.0)
-        d_i = _load_rows(d_ptr, b, rows, f, L, F, row_ok, f_ok, 1.0)
-        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
         e = _correction(
-            q,
-            k,
-            hid,
-            w2,
-            b2,
-            b,
-            heads,
-            kv_heads,
-            rows,
-            cols,
-            row_ok,
-            col_ok,
-            F,
-            HQ,
-            HKV,
-            L,
-            DH,
-            HID,
-            NM,
-            tau_max,
-            G,
-            BM,
-            BN,
-            HP,
-            MC,
-            NC,
-            SPLIT,
-            PREC,
-            POLY,
+            qp, kp, alpha + seq, beta + seq, b, heads0, REP, rows, cols, R0, RB, HQ, HKV, LP, NM, G
         )
         # 1. Recomputed P and dS = P (dP - delta) * scale, the gradient of q.k and of E. [G, BM, BN]
         sc = (_mm(qt, kt, PREC, UPCAST) + e) * scale + bias[None, None, :]
@@ -596,52 +705,34 @@ def mdlmpe_bwd_kernel(
         dq_offs = ((b * HQ + heads[:, None, None]) * L + rows[None, :, None]) * DH + d[None, None, :]
         dq_part = _mm(ds.to(kt.dtype), tl.trans(kt, 0, 2, 1), PREC, UPCAST)
         tl.atomic_add(dq + dq_offs, dq_part, mask=row_ok[None, :, None] & d_ok[None, None, :])
-        # 3. Correction, per pair chunk for all heads at once: dE/dk1 = alpha q1 + beta q2, dE/dk2 =
-        #    alpha q2 - beta q1, dE/dq1 = alpha k1 - beta k2, dE/dq2 = alpha k2 + beta k1; dE/dalpha =
-        #    q1 k1 + q2 k2 and dE/dbeta = q2 k1 - q1 k2 summed over heads, then once through
-        #    alpha(delta), beta(delta), tanh * tau and the MLP output layer.
-        ds4 = ds[:, :, :, None]  # [G, BM, BN, 1]
-        d_hid = tl.zeros((BM * BN, HP), tl.float32)
-        for c in tl.static_range(NC):
-            pm = c * MC + tl.arange(0, MC)
-            p_ok = pm < NM
-            t, alpha, beta, w2c = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            ptrs = (dq1_ptr, dq2_ptr, dk1_ptr, dk2_ptr, b, heads, kv_heads, rows, cols, row_ok, col_ok)
-            if SPLIT == 2:  # even and odd pairs apart, as in _correction
-                a0, a1 = tl.split(tl.reshape(alpha, (BM, BN, MC // 2, 2)))
-                be0, be1 = tl.split(tl.reshape(beta, (BM, BN, MC // 2, 2)))
-                dal0, dbe0 = _grad_sub(
-                    q, k, ds4, a0, be0, *ptrs, _sub_pairs(c, 0, MC, 2), F, HQ, HKV, L, DH, NM
-                )
-                dal1, dbe1 = _grad_sub(
-                    q, k, ds4, a1, be1, *ptrs, _sub_pairs(c, 1, MC, 2), F, HQ, HKV, L, DH, NM
-                )
-                d_alpha = tl.reshape(tl.join(dal0, dal1), (BM, BN, MC))
-                d_beta = tl.reshape(tl.join(dbe0, dbe1), (BM, BN, MC))
-            else:
-                sub = _sub_pairs(c, 0, MC, 1)
-                d_alpha, d_beta = _grad_sub(q, k, ds4, alpha, beta, *ptrs, sub, F, HQ, HKV, L, DH, NM)
-            # d alpha / d delta = -sin(delta) = -beta; d beta / d delta = cos(delta) = 1 + alpha.
-            d_delta = -beta * d_alpha + (1.0 + alpha) * d_beta
-            d_out = tl.reshape(d_delta, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
-            w_mask = p_ok[:, None] & (hh[None, :] < HID)
-            dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
-            tl.atomic_add(dw2 + slot * NM * HID + pm[:, None] * HID + hh[None, :], dw2_c, mask=w_mask)
-            tl.atomic_add(db2 + slot * NM + pm, tl.sum(d_out, axis=0), mask=p_ok)
-            d_hid += tl.dot(d_out, w2c, input_precision=PREC)  # [BM*BN, HP]
-        # 4. Back through SiLU and the hidden layer, once for all heads; s2, pre, sig recomputed
-        #    rather than held through the chunk loop.
-        s2, pre, sig, _ = _phase_hidden(
-            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC, True
+        # 3. Correction, pair by pair, head by head on [BM, BN] tiles: alpha_m, beta_m loaded once
+        #    for the G heads, dE/d delta summed over them in registers.
+        dsh = _unstack_heads(ds, G)
+        _correction_grads(
+            qp,
+            kp,
+            dqp,
+            dkp,
+            alpha + seq,
+            beta + seq,
+            ddelta + seq,
+            dsh,
+            b,
+            heads0,
+            REP,
+            rows,
+            cols,
+            R0,
+            RB,
+            HQ,
+            HKV,
+            LP,
+            NM,
+            G,
         )
-        d_pre = d_hid * sig * (1.0 + pre * (1.0 - sig))
-        dw1_acc += tl.dot(tl.trans(d_pre), s2, input_precision=PREC)
-        db1_acc += tl.sum(d_pre, axis=0)
 
     out_mask = col_ok[None, :, None] & d_ok[None, None, :]
     offs = ((b * HQ + heads[:, None, None]) * L + cols[None, :, None]) * DH + d[None, None, :]
-    tl.store(dk + offs, dk_acc, mask=out_mask)
-    tl.store(dv + offs, dv_acc, mask=out_mask)
-    w1_mask = (hh[:, None] < HID) & f_ok[None, :]
-    tl.store(dw1 + slot * HID * F + hh[:, None] * F + f[None, :], dw1_acc, mask=w1_mask)
-    tl.store(db1 + slot * HID + hh, db1_acc, mask=hh < HID)
+    # Row blocks are separate launches: add to what the earlier ones left (zeroed first).
+    tl.store(dk + offs, tl.load(dk + offs, mask=out_mask, other=0.0) + dk_acc, mask=out_mask)
+    tl.store(dv + offs, tl.load(dv + offs, mask=out_mask, other=0.0) + dv_acc, mask=out_mask)

@@ -34,21 +34,24 @@ CHECKED_CAPABILITIES = (80, 90)
 CHECKED_HEAD_DIMS = (64, 128)
 CHECKED_DTYPES = (torch.bfloat16, torch.float32)
 #: The kernels and the name of each one's output / upstream-gradient pointers in the model dtype.
-KERNELS = ("forward", "backward")
+KERNELS = ("phase_forward", "forward", "backward", "phase_backward")
+#: The head-independent kernels (pair tiles of ``phase_tile``, no head axis); the others are per head.
+PHASE_KERNELS = ("phase_forward", "phase_backward")
 _warned: set[int] = set()
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Static launch parameters of the two kernels (forward, backward).
+    """Static launch parameters of the four kernels (``triton.kernels``).
 
-    ``tile``: row and key tile edge (BM = BN); ``heads_per_program``: query heads sharing one
-    alpha/beta tile (G, rounded down to a power-of-2 divisor of Hq at launch); ``pair_chunk``:
-    MDLMPE pairs per alpha/beta chunk (the live pair tiles are [tile, tile, pair_chunk]);
-    ``num_warps``, ``num_stages``: Triton's (stages = software-pipelining depth of the key loop);
-    ``max_registers``: the PTX ``.maxnreg`` bound (Triton's ``maxnreg``) per thread;
-    ``pair_split``: 1 or 2 sub-chunks per pair chunk for the per-head [G, tile, tile, sub] work
-    (2 halves its registers; the chunk itself stays >= 16 wide for the MLP's tile product).
+    ``tile``: row and key tile edge (BM = BN) of the per-head kernels (forward, backward);
+    ``heads_per_program``: query heads sharing one alpha/beta tile load there (G, rounded down to
+    a power-of-2 divisor of Hq at launch); ``num_warps``, ``num_stages``: Triton's for those
+    kernels (stages = software-pipelining depth of the key loop); ``max_registers``: the PTX
+    ``.maxnreg`` bound (Triton's ``maxnreg``) per thread, all kernels. The head-independent phase
+    kernels have their own ``phase_tile`` and ``phase_warps`` (their [tile^2, F] MLP input lives in
+    registers) and ``pair_chunk``: MDLMPE pairs per chunk of the MLP's output layer (>= 16 on a GPU,
+    a tile product).
     """
 
     tile: int
@@ -57,28 +60,25 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     max_registers: int
-    pair_split: int = 2
+    phase_tile: int = 16
+    phase_warps: int = 8
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchConfig:
     """The launch settings for head size ``head_dim``, q/k/v ``dtype`` and compute capability
     ``capability`` (e.g. 90 for sm_90), chosen from ahead-of-time compiles (table in the report of
-    tests/unit/test_triton_resources.py; before/after numbers in the module docstring of
-    triton.backend).
+    tests/unit/test_triton_resources.py) and the cost model of benchmarks/estimate_gpu.py.
 
-    - tile 16 everywhere: the correction's [G, tile, tile, pairs] head tiles and the
-      [tile * tile, F] MLP input live in registers and grow as tile^2 (a 32-tile was over every
-      GPU's shared memory at d_h 128 with the earlier three-kernel design).
-    - 8 warps: the register file is 64 K x 32 bit per SM, so 8 warps is the widest split that still
-      gives each thread the 255-register maximum (stated: left to itself ptxas may pick 128).
+    - 4 warps for the attention kernels: the per-head [tile, tile] pair loops then keep a head's
+      tile inside fewer warps, and the estimated backward is 1.6x faster than with 8.
+    - 16-bit inputs on sm_90: tile 64, 2 heads per program (the backward needs 176 KB of shared
+      memory of 227 KB; ESTIMATED step ratio at L = 2048: tile 64 / G 2: 2.28x, tile 32 / G 4:
+      2.7x, tile 32 / G 2: 3.1x). On sm_80 (A100, 163 KB) tile 32, G = 2 (88 KB).
+    - fp32 inputs (tests, debugging): tile 16, G = 2, within both GPUs' shared memory.
     - 1 pipelining stage: the kernels are bound by the pair arithmetic on CUDA cores, not by the
       k / v loads a deeper pipeline would prefetch into shared memory.
-    - 4 heads per program, pairs in chunks of 16 split into even / odd halves: the head-independent
-      work (angle, phase MLP, alpha, beta) is shared by the G heads, so more heads per program
-      cost less per head, until spills dominate. sm_90, d_h 128, bf16, ESTIMATED step ratio at
-      L = 2048 (benchmarks/estimate_gpu.py): G = 1: 12.1x, 2: 7.4x, 4: 5.8x; G = 8 needs 238 KB of
-      shared memory in the backward (over the limit). fp32 at d_h > 64 uses G = 1: with 2 the
-      backward needs 197 KB of shared memory, over the A100's 163 KB.
+    - phase kernels: 16 x 16 pair tiles (their [tile^2, F] MLP input lives in registers), 8 warps,
+      the MLP's output layer in chunks of 16 pairs (a tile product needs >= 16).
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"triton launch config: dtype {dtype} is not bf16, fp16 or fp32")
@@ -95,9 +95,12 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
             capability,
             CHECKED_CAPABILITIES,
         )
-    heads = 1 if dtype == torch.float32 and head_dim > 64 else 4
+    if dtype == torch.float32:
+        tile, heads = 16, 2
+    else:
+        tile, heads = (64, 2) if capability >= 90 else (32, 2)
     return LaunchConfig(
-        tile=16, heads_per_program=heads, pair_chunk=16, num_warps=8, num_stages=1, max_registers=255
+        tile=tile, heads_per_program=heads, pair_chunk=16, num_warps=4, num_stages=1, max_registers=255
     )
 
 
@@ -128,14 +131,11 @@ def kernel_constexprs(
     hidden: int,
     num_mdlmpe: int,
     dtype: torch.dtype,
-    tile: int,
-    heads: int,
-    chunk: int,
+    config: LaunchConfig,
     interpreting: bool,
     tau_max: float = 0.25,
-    split: int = 2,
-) -> dict[str, object]:
-    """The kernels' tl.constexpr arguments for one call (the same for both kernels).
+) -> dict[str, dict[str, object]]:
+    """Each kernel's tl.constexpr arguments for one call, keyed by kernel name (``KERNELS``).
 
     Every padded extent is a power of 2, at least 16 on a GPU (tile products need every dimension
     >= 16); the interpreter has no such floor. PREC: TF32 tile products for 16-bit inputs, IEEE for
@@ -143,20 +143,33 @@ def kernel_constexprs(
     POLY: alpha, beta by polynomials (|tau_max| within their checked range, kernels.POLY_TAU_MAX).
     """
     floor = 1 if interpreting else 16
-    mc = min(pow2(num_mdlmpe, floor), chunk)
-    return dict(
-        REP=num_heads // num_kv,
-        G=heads_per_program(num_heads, heads),
-        DH=head_dim,
-        DP=pow2(head_dim, floor),
+    mc = min(pow2(num_mdlmpe, floor), config.pair_chunk)
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    phase = dict(
         FP=pow2(head_dim // 2, floor),
         HP=pow2(hidden, floor),
         MC=mc,
         NC=math.ceil(num_mdlmpe / mc),
-        SPLIT=2 if split == 2 and mc % 2 == 0 else 1,
-        BM=tile,
-        BN=tile,
-        PREC="ieee" if dtype == torch.float32 else "tf32",
-        UPCAST=interpreting,
+        BM=config.phase_tile,
+        BN=config.phase_tile,
+        PREC=prec,
         POLY=abs(tau_max) <= POLY_TAU_MAX,
     )
+    head = dict(
+        REP=num_heads // num_kv,
+        G=heads_per_program(num_heads, config.heads_per_program),
+        DH=head_dim,
+        DP=pow2(head_dim, floor),
+        BM=config.tile,
+        BN=config.tile,
+        PREC=prec,
+        UPCAST=interpreting,
+    )
+    return {name: phase if name in PHASE_KERNELS else head for name in KERNELS}
+
+
+def kernel_options(kernel: str, config: LaunchConfig) -> dict[str, int]:
+    """Triton's launch / compile options of ``kernel``: warps, pipelining stages, register cap."""
+    warps = config.phase_warps if kernel in PHASE_KERNELS else config.num_warps
+    stages = 1 if kernel in PHASE_KERNELS else config.num_stages
+    return dict(num_warps=warps, num_stages=stages, maxnreg=config.max_registers)
