@@ -23,7 +23,8 @@ Design (paper Eqs. (23)-(26); kernels.py says what each kernel holds):
 - Online softmax; the forward saves only O and the row max m and sum l (m and l apart, not
   their log-sum-exp, so a padding-only row, whose logits all sit at finfo(float32).min, keeps its
   uniform weights exactly as the reference does).
-- One backward pass per key tile: dK, dV, the pair parts of dK (read-add-write, deterministic);
+- One backward pass per key tile: dK, dV, the pair parts of dK (added by one program only, in a
+  fixed order: deterministic);
   dQ and its pair parts with fp32 atomics into zeroed buffers, and dE/d delta likewise (so their
   order of summation is not fixed on a GPU: run-to-run differences at fp32 rounding). GQA: dK, dV
   per query head (fp32), summed per KV group.
@@ -258,7 +259,7 @@ class _MDLMPEAttention(torch.autograd.Function):
         dq = torch.zeros_like(dk)  # every key-tile program adds its share
         qp, kp = plan.pair_components(q), plan.pair_components(k)
         dqp = torch.zeros(batch, num_heads, plan.num_mdlmpe, plan.padded, 2, **f32)  # atomics
-        dkp = torch.zeros_like(dqp)  # per query head; read-add-write by its key-tile program
+        dkp = torch.zeros_like(dqp)  # per query head; added to by its key-tile program only
         spans = plan.padded // plan.key_span
         slots = (plan.padded // plan.phase_tile) * spans * batch  # one per phase-kernel program
         dw1 = torch.empty(slots, *w1.shape, **f32)

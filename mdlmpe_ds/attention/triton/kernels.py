@@ -17,9 +17,9 @@ for half the (i, j) plane, in their own kernels, and the per-head kernels read a
 - ``mdlmpe_bwd_kernel`` (per G query heads and key tile, over row tiles): recomputes E and P,
   dS = P (dP - delta) * scale; dK, dV held for the key tile; dQ's plain part and the pair parts
   of dQ added with fp32 atomics (rows are shared between key-tile programs); the pair parts of dK
-  read-added-written (only this program touches its key positions); and dE/d delta, summed over
-  the G heads in registers, atomically added to ddelta [B, NM, RB, LP] (the head groups of a key
-  tile share it).
+  added with relaxed atomics in a fixed order (only this program touches its key positions); and
+  dE/d delta, summed over the G heads in registers, atomically added to ddelta [B, NM, RB, LP]
+  (the head groups of a key tile share it).
 - ``phase_bwd_kernel`` (as ``phase_fwd_kernel``): back through tau * tanh and the MLP's output
   and hidden layers, once per pair for all heads (an off-diagonal tile's gradient is the sum of
   its (i, j) and (j, i) entries); MLP gradients to per-program slots, summed in torch.
@@ -127,7 +127,7 @@ def _correction_grads(
     """The correction's gradients for one (row tile, key tile) and the program's G heads, given
     dS per head (``dsh``, a tuple of G [BM, BN] tiles): per pair m, alpha_m, beta_m are loaded once;
     per head, with P = dS (alpha + i beta), z_q = q1 + i q2, z_k = k1 + i k2:
-    dz_q = sum_j P z_k (atomically added to dqp), dz_k = sum_i conj(P) z_q (read-add-write to
+    dz_q = sum_j P z_k (atomically added to dqp), dz_k = sum_i conj(P) z_q (atomically added to
     dkp), and dE/d delta dS = -Im(conj(z_q) (dS z_k + P z_k)), summed over the heads in registers
     and atomically added to ddelta (alpha, beta, ddelta point at the sequence's pair 0; their planes
     hold rows R0 .. R0 + RB - 1)."""
@@ -157,7 +157,10 @@ def _correction_grads(
             v2 = ga * k2 + gb * k1
             tl.atomic_add(dqp + q_off, tl.join(tl.sum(v1, axis=1), tl.sum(v2, axis=1)), sem="relaxed")
             dk = tl.join(tl.sum(ga * q1 + gb * q2, axis=0), tl.sum(ga * q2 - gb * q1, axis=0))
-            tl.store(dkp + dk_off, tl.load(dkp + dk_off) + dk)
+            # An atomic, not a load-add-store: the layout may hold an element in several threads,
+            # and a plain store by one need not be visible to the others' next load. Only this
+            # program adds to these key positions, always from the same thread: a fixed order.
+            tl.atomic_add(dkp + dk_off, dk, sem="relaxed")
             dd += q2 * (ds * k1 + v1) - q1 * (ds * k2 + v2)
         tl.atomic_add(pd, dd, sem="relaxed")
         pa += plane
@@ -661,7 +664,7 @@ def mdlmpe_bwd_kernel(
 ):
     """Per G query heads and key tile, over rows R0 .. R0 + RB - 1: dK, dV (per query head, fp32,
     added to what earlier row blocks left), dQ's plain part and the pair parts dqp (atomic adds),
-    the pair parts of dK in dkp (read-add-write: only this program touches its key positions), and
+    the pair parts of dK in dkp (atomic adds from this program only: a fixed order), and
     dE/d delta summed over the G heads, atomically added to ddelta [B, NM, RB, LP]. Every output
     buffer is zeroed by the wrapper. Rows past L have P = 0, hence dS = 0: they add zeros."""
     pid_bh = tl.program_id(0)  # head groups fastest: they share the key tile's pair planes in L2

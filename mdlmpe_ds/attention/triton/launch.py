@@ -72,7 +72,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
     - 4 warps for the attention kernels: the per-head [tile, tile] pair loops then keep a head's
       tile inside fewer warps, and the estimated backward is 1.6x faster than with 8.
     - 16-bit inputs on sm_90: tile 64, 2 heads per program (the backward needs 176 KB of shared
-      memory of 227 KB; ESTIMATED step ratio at L = 2048: tile 64 / G 2: 2.28x, tile 32 / G 4:
+      memory of 227 KB; ESTIMATED step ratio at L = 2048: tile 64 / G 2: 2.27x, tile 32 / G 4:
       2.7x, tile 32 / G 2: 3.1x). It spills (forward 0.8 KB, backward 2 KB per thread; the model
       counts that traffic): the fastest setting without spills, 8 warps and one head per program,
       is estimated 18% slower in the backward. On sm_80 (A100, 163 KB) tile 32, G = 2 (88 KB).
