@@ -53,6 +53,8 @@ CASES = {
     # in padding, L = 21 -> LP = 24): alpha/beta/ddelta per block, dK, dV and the MLP gradients
     # added across launches (test_pair_buffers_split_into_row_blocks checks the split).
     "row_blocks": (2, 2, 2, 21, 8, 4, 2, "11", 2, True, "float32", 2),
+    # 8 heads in one program (the widest head split of the per-head tiles), GQA 8:2.
+    "eight_heads_per_program": (1, 8, 2, 6, 8, 4, 8, "11", 1, True, "float32", 2),
 }
 #: Per-case budget of the kernels' pair buffers (triton.backend.PAIR_BUFFER_BYTES), in bytes.
 PAIR_BUDGET = {"row_blocks": 3 * 4 * 2 * 24 * 8}  # 3 buffers x fp32 x |M| = 2 x LP = 24 x 8 rows
