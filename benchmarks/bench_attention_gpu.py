@@ -22,7 +22,7 @@ H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
 Targets: whole-step <= 2.3x at L = 2048. Extra memory: the kernels' transient pair buffers
-(alpha, beta, dE/d delta: |M| L^2 fp32 each per sequence, at most triton.backend.PAIR_BUFFER_BYTES
+(alpha, beta, dE/d delta: |M| L^2 fp32 each per sequence, at most AttentionImpl.pair_buffer_gib
 per launch) besides O(L) per head.
 """
 

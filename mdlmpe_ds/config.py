@@ -553,6 +553,7 @@ _KEY_HELP = {
     "attention.query_block": "query rows per block of the blocked MDLMPE attention",
     "attention.tile": "Triton kernel tile (power of 2, <= 64); None: chosen per GPU",
     "attention.compile": "run the blocked MDLMPE attention through torch.compile (same numbers)",
+    "attention.pair_buffer_gib": "most GiB of the Triton kernels' transient pair buffers per launch",
     "model.gradient_checkpointing": "activation checkpointing per layer",
     "data.dataset": "chat data: 'chat-demo', a .json/.jsonl/.parquet file, a directory, a hub name[:config]",
     "data.tokenizer": "tokenizer directory or hub id; None: the model's (or the demo's)",

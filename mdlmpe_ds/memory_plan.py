@@ -158,7 +158,7 @@ def attention_transient_bytes(
     [B, C, |M|, L] fp32 tensors at the peak of its backward (alpha, beta, their gradients, the
     phase MLP's pieces; measured ~1.5 KB x C x L at d_h = 128, cf. the 1.4-1.7 KB of docs/method.md
     "Cost and precision"); the Triton kernels' alpha, beta and dE/d delta buffers, three
-    [B, |M|, L, L] fp32 tensors bounded per launch (``pair_buffer_bytes``). SDPA tiles on chip;
+    [B, |M|, L, L] fp32 tensors bounded per launch by ``impl.pair_buffer_gib``. SDPA tiles on chip;
     paths that save their pair tensors count them per token (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
@@ -167,7 +167,7 @@ def attention_transient_bytes(
     if impl.backend == "triton":
         from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
 
-        return float(pair_buffer_bytes(batch, length, len(range(1, pairs, 2))))
+        return float(pair_buffer_bytes(batch, length, len(range(1, pairs, 2)), impl.pair_buffer_bytes))
     if _pair_bytes_saved(cfg, impl, length):  # saved: counted per token there
         return 0.0
     from mdlmpe_ds.attention.blocked import eager_block_rows

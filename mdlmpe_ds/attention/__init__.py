@@ -94,6 +94,7 @@ def mdlmpe_attention(
     kwargs = {}
     if backend == "triton":
         kwargs["block_size"] = impl.tile
+        kwargs["pair_buffer_bytes"] = impl.pair_buffer_bytes
     if backend == "blocked":
         kwargs["block_size"] = impl.query_block
         kwargs["compile"] = impl.compile

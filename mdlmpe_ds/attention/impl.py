@@ -22,12 +22,15 @@ class AttentionImpl:
     bound in eager mode on the CPU, see blocked.eager_block_rows). ``tile``: the fused Triton
     kernel's query / key tile, a power of 2 no larger than 64 (on a GPU at least 16); None: the
     tile that fits the GPU for the head size and dtype. ``compile``: run the blocked path's pieces
-    through torch.compile (same numbers; one graph per distinct shape)."""
+    through torch.compile (same numbers; one graph per distinct shape). ``pair_buffer_gib``: the
+    most one launch of the Triton kernels holds in its transient alpha / beta / dE/d delta buffers
+    (3 |M| L^2 fp32 per sequence); a sequence over it runs in row blocks (same numbers)."""
 
     backend: str = "auto"
     query_block: int = 128
     tile: int | None = None
     compile: bool = False
+    pair_buffer_gib: float = 6.0
 
     def validate(self) -> AttentionImpl:
         def bad(key: str, why: str) -> ValueError:
@@ -40,7 +43,13 @@ class AttentionImpl:
         tile = self.tile
         if tile is not None and not (1 <= tile <= 64 and tile & (tile - 1) == 0):
             raise bad("tile", "must be None (per GPU) or a power of 2 no larger than 64")
+        if not self.pair_buffer_gib > 0:
+            raise bad("pair_buffer_gib", "must be > 0")
         return self
+
+    @property
+    def pair_buffer_bytes(self) -> int:
+        return int(self.pair_buffer_gib * 2**30)
 
     @property
     def keeps_pair_tensors(self) -> bool:

@@ -56,7 +56,7 @@ CASES = {
     # 8 heads in one program (the widest head split of the per-head tiles), GQA 8:2.
     "eight_heads_per_program": (1, 8, 2, 6, 8, 4, 8, "11", 1, True, "float32", 2),
 }
-#: Per-case budget of the kernels' pair buffers (triton.backend.PAIR_BUFFER_BYTES), in bytes.
+#: Per-case budget of the kernels' pair buffers (``pair_buffer_bytes``), in bytes.
 PAIR_BUDGET = {"row_blocks": 3 * 4 * 2 * 24 * 8}  # 3 buffers x fp32 x |M| = 2 x LP = 24 x 8 rows
 #: Per-case key positions per phase-kernel program (triton.backend.PHASE_KEY_SPAN): several spans
 #: per row, with the symmetric half-plane (one launch per sequence) and without it (row blocks).
@@ -70,8 +70,6 @@ def _run_case(name: str) -> dict[str, float]:
     from mdlmpe_ds.attention.triton import backend
     from mdlmpe_ds.attention.triton.backend import triton_attention
 
-    if name in PAIR_BUDGET:
-        backend.PAIR_BUFFER_BYTES = PAIR_BUDGET[name]
     if name in KEY_SPAN:
         backend.PHASE_KEY_SPAN = KEY_SPAN[name]
 
@@ -117,13 +115,19 @@ def _run_case(name: str) -> dict[str, float]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         got = run(
-            triton_attention, block_size=tile, phase_tile=tile, heads_per_program=per_prog, pair_chunk=chunk
+            triton_attention,
+            block_size=tile,
+            phase_tile=tile,
+            heads_per_program=per_prog,
+            pair_chunk=chunk,
+            pair_buffer_bytes=PAIR_BUDGET.get(name),
         )
     errors = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(GRADS, want, got)}
     errors["scale"] = max(w.float().abs().max().item() for w in want)
     errors["saved_max_numel_over_q"] = max(saved) / q.numel()
-    # The run-time choice reaches the same kernel (forward only).
-    impl = AttentionImpl(backend="triton", tile=tile)
+    # The run-time choice reaches the same kernel (forward only), with its buffer budget.
+    budget = PAIR_BUDGET.get(name, 2**30) / 2**30
+    impl = AttentionImpl(backend="triton", tile=tile, pair_buffer_gib=budget)
     via_config = mdlmpe_attention(
         q,
         k,
@@ -173,24 +177,41 @@ def test_no_length_squared_buffers_saved(interpreted):
         assert errors["saved_max_numel_over_q"] <= 1.0, name
 
 
-def test_pair_buffers_split_into_row_blocks(monkeypatch):
+def test_pair_buffers_split_into_row_blocks():
     """Over the budget, the launches cover every (sequence, row block) once, each block's three
     [NM, rows, LP] fp32 buffers within the budget (the ``row_blocks`` case runs this split)."""
     from mdlmpe_ds.attention.triton import backend
 
     batch, heads, length, head_dim, tile = CASES["row_blocks"][0], 2, 21, 8, 4
-    monkeypatch.setattr(backend, "PAIR_BUFFER_BYTES", PAIR_BUDGET["row_blocks"])
+    budget = PAIR_BUDGET["row_blocks"]
     q = torch.zeros(batch, heads, length, head_dim)
     config = backend.resolve_launch(q, block_size=tile, phase_tile=tile)
-    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25)
+    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, budget)
     blocks = list(plan.blocks(batch))
     assert plan.padded == 24 and len(blocks) == 6
     assert blocks == [(s, s + 1, r0, 8) for s in range(batch) for r0 in (0, 8, 16)]
     for s, e, _, rows in blocks:
-        assert 3 * 4 * (e - s) * plan.num_mdlmpe * rows * plan.padded <= backend.PAIR_BUFFER_BYTES
-    monkeypatch.setattr(backend, "PAIR_BUFFER_BYTES", 2**30)  # within budget: one launch group
-    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25)
-    assert list(plan.blocks(batch)) == [(0, batch, 0, 24)]
+        assert 3 * 4 * (e - s) * plan.num_mdlmpe * rows * plan.padded <= budget
+    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, 2**30)
+    assert list(plan.blocks(batch)) == [(0, batch, 0, 24)]  # within budget: one launch group
+
+
+def test_pair_buffer_budget_is_a_run_time_choice():
+    """``attention.pair_buffer_gib`` is validated, reaches the memory plan, and a smaller one
+    plans less transient memory for the Triton kernels (row blocks) than the default."""
+    from mdlmpe_ds.memory_plan import attention_transient_bytes
+    from mdlmpe_ds.models.presets import preset
+
+    with pytest.raises(ValueError, match="pair_buffer_gib"):
+        AttentionImpl(pair_buffer_gib=0).validate()
+    assert AttentionImpl.from_dict({"pair_buffer_gib": 1.5}).pair_buffer_bytes == 3 * 2**29
+    cfg = preset("llada-8b", position_encoding="mdlmpe", max_seq_len=4096)
+    triton = AttentionImpl(backend="triton")
+    default = attention_transient_bytes(cfg, 1, 4096, "cuda", triton)
+    small = attention_transient_bytes(
+        cfg, 1, 4096, "cuda", AttentionImpl(backend="triton", pair_buffer_gib=1)
+    )
+    assert small <= 2**30 < default <= 6 * 2**30
 
 
 def test_zero_initialised_phase_is_rope(interpreted):

@@ -67,8 +67,8 @@ from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 # Largest tile edge accepted on a GPU: the [G, BM, BN] score tiles and [G, tile, d_h] accumulators
 # live in registers (64 fits sm_90's with G = 2, see triton.launch).
 MAX_GPU_TILE = 64
-#: Upper bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each):
-#: the batch is split into chunks of sequences that fit (at least one sequence per launch).
+#: Default bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each;
+#: ``AttentionImpl.pair_buffer_gib``): whole sequences while they fit, else row blocks of one.
 PAIR_BUFFER_BYTES = 6 * 2**30
 #: Key positions one phase-kernel program covers (a multiple of every phase tile).
 PHASE_KEY_SPAN = 256
@@ -94,21 +94,25 @@ def check_triton_available() -> None:
         )
 
 
-def pair_launches(batch: int, padded: int, num_mdlmpe: int, step: int) -> tuple[int, int]:
+def pair_launches(
+    batch: int, padded: int, num_mdlmpe: int, step: int, budget: int = PAIR_BUFFER_BYTES
+) -> tuple[int, int]:
     """(sequences, rows) per launch of the pair buffers: alpha, beta and dE/d delta, three
-    [sequences, |M|, rows, LP] fp32 tensors, kept under PAIR_BUFFER_BYTES. Whole sequences while
+    [sequences, |M|, rows, LP] fp32 tensors, kept under ``budget`` bytes. Whole sequences while
     one fits; else one sequence in blocks of rows, a multiple of ``step`` (at least one step)."""
     row_bytes = 3 * 4 * num_mdlmpe * padded
-    if row_bytes * padded <= PAIR_BUFFER_BYTES:
-        return max(1, min(batch, PAIR_BUFFER_BYTES // (row_bytes * padded))), padded
-    return 1, max(step, PAIR_BUFFER_BYTES // row_bytes // step * step)
+    if row_bytes * padded <= budget:
+        return max(1, min(batch, budget // (row_bytes * padded))), padded
+    return 1, max(step, budget // row_bytes // step * step)
 
 
-def pair_buffer_bytes(batch: int, length: int, num_mdlmpe: int, step: int = MAX_GPU_TILE) -> int:
+def pair_buffer_bytes(
+    batch: int, length: int, num_mdlmpe: int, budget: int = PAIR_BUFFER_BYTES, step: int = MAX_GPU_TILE
+) -> int:
     """Peak bytes of the pair buffers during one call's backward (``pair_launches``), with L padded
     to a multiple of ``step`` (the largest tile by default: an upper bound for any launch setting)."""
     padded = math.ceil(length / step) * step
-    sequences, rows = pair_launches(batch, padded, num_mdlmpe, step)
+    sequences, rows = pair_launches(batch, padded, num_mdlmpe, step, budget)
     return 3 * 4 * num_mdlmpe * sequences * rows * padded
 
 
@@ -116,7 +120,13 @@ class _Plan:
     """Static launch parameters shared by the four kernels of one call."""
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, w1: torch.Tensor, config: LaunchConfig, tau_max: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        w1: torch.Tensor,
+        config: LaunchConfig,
+        tau_max: float,
+        budget: int = PAIR_BUFFER_BYTES,
     ) -> None:
         batch, self.num_heads, self.length, self.head_dim = q.shape
         self.num_kv = k.shape[1]
@@ -148,8 +158,8 @@ class _Plan:
         self.key_span = max(config.phase_tile, min(self.padded, PHASE_KEY_SPAN))
         # The pair buffers (alpha, beta; in backward also ddelta) are [chunk, NM, RB, LP] fp32 for
         # a chunk of sequences and a block of RB rows; both are chosen to keep the three under
-        # PAIR_BUFFER_BYTES: whole sequences while one fits, else one sequence in row blocks.
-        self.batch_chunk, self.row_block = pair_launches(batch, self.padded, self.num_mdlmpe, step)
+        # ``budget`` bytes: whole sequences while one fits, else one sequence in row blocks.
+        self.batch_chunk, self.row_block = pair_launches(batch, self.padded, self.num_mdlmpe, step, budget)
 
     def blocks(self, batch: int):
         """(first sequence, end sequence, first row, rows in the buffer) of every launch group."""
@@ -215,10 +225,10 @@ class _MDLMPEAttention(torch.autograd.Function):
     """All heads active. Inputs contiguous; phase tensors fp32; kbias [B, L] fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config):
+    def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config, budget):
         from mdlmpe_ds.attention.triton import kernels as kern
 
-        plan = _Plan(q, k, w1, config, tau_max)
+        plan = _Plan(q, k, w1, config, tau_max, budget)
         out = torch.empty_like(q)
         row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         row_sum = torch.empty_like(row_max)
@@ -311,9 +321,9 @@ class _MDLMPEAttention(torch.autograd.Function):
         rep = num_heads // plan.num_kv
         dk = dk.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
         dv = dv.view(batch, plan.num_kv, rep, length, head_dim).sum(2)
-        # One entry per forward input: q, k, v, A, D, W1, b1, W2, b2, then kbias and 4 settings.
+        # One entry per forward input: q, k, v, A, D, W1, b1, W2, b2, then kbias and 5 settings.
         grads_in = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
-        return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 5)
+        return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 6)
 
 
 def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
@@ -343,9 +353,11 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int)
         )
 
 
-def _fused(q, k, v, A, D, phase: PhaseParams, kbias, tau_max, clip_kappa, scale, config: LaunchConfig):
+def _fused(
+    q, k, v, A, D, phase: PhaseParams, kbias, tau_max, clip_kappa, scale, config: LaunchConfig, budget: int
+):
     tensors = (q, k, v, A.float(), D.float(), *(p.float() for p in phase), kbias)
-    settings = (float(tau_max), float(clip_kappa), float(scale), config)
+    settings = (float(tau_max), float(clip_kappa), float(scale), config, int(budget))
     return _MDLMPEAttention.apply(*(t.contiguous() for t in tensors), *settings)
 
 
@@ -395,6 +407,7 @@ def triton_attention(
     num_stages: int | None = None,
     max_registers: int | None = None,
     phase_tile: int | None = None,
+    pair_buffer_bytes: int | None = None,
 ) -> torch.Tensor:
     """Fused MDLMPE attention; the same numbers as ``reference_attention`` (Eq. (26)).
 
@@ -404,6 +417,8 @@ def triton_attention(
     power of 2, >= 16 on a GPU), ``num_warps``, ``num_stages``, ``max_registers`` and
     ``phase_tile`` (the phase kernels' pair tile, see ``LaunchConfig``) are GPU tuning knobs; each one
     left None comes from ``triton.launch.launch_config`` (the settings checked to fit the GPU).
+    ``pair_buffer_bytes``: the most the transient pair buffers of one launch hold (None:
+    PAIR_BUFFER_BYTES; ``AttentionImpl.pair_buffer_gib`` in a run).
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()
@@ -424,7 +439,10 @@ def triton_attention(
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
     if key_valid is not None:
         kbias.masked_fill_(~key_valid.bool(), torch.finfo(torch.float32).min)
-    args = (tau_max, clip_kappa, scale, config)
+    budget = PAIR_BUFFER_BYTES if pair_buffer_bytes is None else int(pair_buffer_bytes)
+    if budget <= 0:
+        raise ValueError(f"triton_attention: pair_buffer_bytes={pair_buffer_bytes} must be > 0")
+    args = (tau_max, clip_kappa, scale, config, budget)
     if active_kv is None or bool(active_kv.all()):
         return _fused(q, k, v, A, D, phase, kbias, *args)
     if not bool(active_kv.any()):
