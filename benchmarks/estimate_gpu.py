@@ -287,13 +287,12 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 
 def phase_programs(length: int, config) -> tuple[int, int]:
     """(programs with work, tiles in all) of one phase-kernel launch over a whole sequence: row tile
-    t covers key tiles t .. T - 1 (symmetry), split into PHASE_KEY_SPAN-wide programs."""
-    from mdlmpe_ds.attention.triton.backend import PHASE_KEY_SPAN
+    t covers key tiles t .. T - 1 (symmetry), split into key spans (``triton.launch.phase_key_span``)."""
+    from mdlmpe_ds.attention.triton.launch import padded_length, pair_padding, phase_key_span
 
-    step = max(config.tile, config.phase_tile)
-    padded = math.ceil(length / step) * step
+    padded = padded_length(length, pair_padding(config))
     tiles_per_row = padded // config.phase_tile
-    span = max(config.phase_tile, min(padded, PHASE_KEY_SPAN)) // config.phase_tile
+    span = phase_key_span(padded, config) // config.phase_tile
     programs = sum(math.ceil((tiles_per_row - t) / span) for t in range(tiles_per_row))
     return programs, tiles_per_row * (tiles_per_row + 1) // 2
 
@@ -303,11 +302,10 @@ def estimate(costs, config, flash: LoopCost, length: int, groups: int) -> dict[s
     Head kernels: one program per (tile, group of ``groups`` heads), looping over tiles; phase
     kernels: one program per pair-tile row, looping over pair tiles (batch 1). Each kernel takes
     the longer of its SASS-estimated time and its pair-buffer HBM traffic at HBM_BYTES_PER_S."""
-    from mdlmpe_ds.attention.triton.launch import PHASE_KERNELS, kernel_options
+    from mdlmpe_ds.attention.triton.launch import PHASE_KERNELS, kernel_options, padded_length, pair_padding
 
     heads, layers = LLADA["heads"], LLADA["layers"]
-    step = max(config.tile, config.phase_tile)
-    plane = NUM_MDLMPE * (math.ceil(length / step) * step) ** 2 * 4  # bytes of one pair plane set
+    plane = NUM_MDLMPE * padded_length(length, pair_padding(config)) ** 2 * 4  # bytes of one pair plane set
     layer, hbm = {}, {}
     for k, c in costs.items():
         warps = kernel_options(k, config)["num_warps"]
@@ -413,11 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {c.kernel:<15} {row}  {c.total:>7}  {c.bound:<6} {c.cycles:>7.0f} {extra}")
     from mdlmpe_ds.attention.triton.launch import PHASE_KERNELS, kernel_options
 
-    per_pair = 0.0  # warp-instructions per (head, i, j), the phase kernels' shared by all heads
+    # Warp-instructions per (head, i, j) and layer. The phase kernels' are shared by all heads and
+    # cover half the (i, j) plane (symmetry; the large-L limit), each run RUNS_PER_LAYER times.
+    per_pair = 0.0
     for k, c in costs.items():
         warps = kernel_options(k, config)["num_warps"]
         if k in PHASE_KERNELS:
-            per_pair += c.total * warps / (config.phase_tile**2 * LLADA["heads"])
+            per_pair += c.total * warps * RUNS_PER_LAYER[k] / (2 * config.phase_tile**2 * LLADA["heads"])
         else:
             per_pair += c.total * warps / (groups * config.tile**2)
     print(f"\n  MDLMPE fwd+bwd warp-instructions per (head, i, j): {per_pair:.1f}")

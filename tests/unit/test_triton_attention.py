@@ -58,7 +58,7 @@ CASES = {
 }
 #: Per-case budget of the kernels' pair buffers (``pair_buffer_bytes``), in bytes.
 PAIR_BUDGET = {"row_blocks": 3 * 4 * 2 * 24 * 8}  # 3 buffers x fp32 x |M| = 2 x LP = 24 x 8 rows
-#: Per-case key positions per phase-kernel program (triton.backend.PHASE_KEY_SPAN): several spans
+#: Per-case key positions per phase-kernel program (triton.launch.PHASE_KEY_SPAN): several spans
 #: per row, with the symmetric half-plane (one launch per sequence) and without it (row blocks).
 KEY_SPAN = {"gqa_ragged_padding": 8, "partial_head_mask": 4, "row_blocks": 8}
 
@@ -67,11 +67,11 @@ def _run_case(name: str) -> dict[str, float]:
     """Child side: reference vs kernel on one case; max abs error per output and gradient."""
     from mdlmpe_ds.attention.common import rope_attention
     from mdlmpe_ds.attention.reference import reference_attention
-    from mdlmpe_ds.attention.triton import backend
+    from mdlmpe_ds.attention.triton import launch
     from mdlmpe_ds.attention.triton.backend import triton_attention
 
     if name in KEY_SPAN:
-        backend.PHASE_KEY_SPAN = KEY_SPAN[name]
+        launch.PHASE_KEY_SPAN = KEY_SPAN[name]
 
     batch, hq, hkv, length, head_dim, tile, per_prog, active, pad, random_fc2, dtype, chunk = CASES[name][:12]
     tau_max = CASES[name][12] if len(CASES[name]) > 12 else 0.25

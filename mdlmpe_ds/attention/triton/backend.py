@@ -58,6 +58,9 @@ from mdlmpe_ds.attention.triton.launch import (
     kernel_constexprs,
     kernel_options,
     launch_config,
+    padded_length,
+    pair_padding,
+    phase_key_span,
 )
 from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
@@ -70,8 +73,6 @@ MAX_GPU_TILE = 64
 #: Default bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each;
 #: ``AttentionImpl.pair_buffer_gib``): whole sequences while they fit, else row blocks of one.
 PAIR_BUFFER_BYTES = 6 * 2**30
-#: Key positions one phase-kernel program covers (a multiple of every phase tile).
-PHASE_KEY_SPAN = 256
 
 
 def _interpreting() -> bool:
@@ -111,7 +112,7 @@ def pair_buffer_bytes(
 ) -> int:
     """Peak bytes of the pair buffers during one call's backward (``pair_launches``), with L padded
     to a multiple of ``step`` (the largest tile by default: an upper bound for any launch setting)."""
-    padded = math.ceil(length / step) * step
+    padded = padded_length(length, step)
     sequences, rows = pair_launches(batch, padded, num_mdlmpe, step, budget)
     return 3 * 4 * num_mdlmpe * sequences * rows * padded
 
@@ -148,14 +149,11 @@ class _Plan:
         self.meta = {name: {**meta, **kernel_options(name, config)} for name, meta in metas.items()}
         self.group = metas["forward"]["G"]
         self.head_tiles = math.ceil(self.length / config.tile)
-        # Pair buffers are padded to a multiple of both tiles, so the kernels' pair loops need no
-        # masks: LP = ceil(L / T) * T, T = max(tile, phase_tile) (both powers of 2).
-        step = max(config.tile, config.phase_tile)
-        self.padded = math.ceil(self.length / step) * step
+        step = pair_padding(config)
+        self.padded = padded_length(self.length, step)
         self.phase_tile = config.phase_tile
         self.head_tile = config.tile
-        # Key positions per phase-kernel program: enough programs to fill a GPU at batch 1.
-        self.key_span = max(config.phase_tile, min(self.padded, PHASE_KEY_SPAN))
+        self.key_span = phase_key_span(self.padded, config)
         # The pair buffers (alpha, beta; in backward also ddelta) are [chunk, NM, RB, LP] fp32 for
         # a chunk of sequences and a block of RB rows; both are chosen to keep the three under
         # ``budget`` bytes: whole sequences while one fits, else one sequence in row blocks.

@@ -106,6 +106,27 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
     )
 
 
+#: Key positions one phase-kernel program covers (a multiple of every phase tile).
+PHASE_KEY_SPAN = 256
+
+
+def padded_length(length: int, step: int) -> int:
+    """L rounded up to a multiple of ``step``: the pair buffers' and pair components' length LP."""
+    return -(-length // step) * step
+
+
+def pair_padding(config: LaunchConfig) -> int:
+    """The step LP is a multiple of: every tile of both kinds of kernel (powers of 2) divides it,
+    so the kernels' pair loops need no masks."""
+    return max(config.tile, config.phase_tile)
+
+
+def phase_key_span(padded: int, config: LaunchConfig) -> int:
+    """Key positions per phase-kernel program: PHASE_KEY_SPAN, so that batch 1 fills a GPU, within
+    [phase_tile, LP]."""
+    return max(config.phase_tile, min(padded, PHASE_KEY_SPAN))
+
+
 def device_capability(device: torch.device) -> int:
     """Compute capability of a CUDA device as an integer (sm_90 -> 90)."""
     major, minor = torch.cuda.get_device_capability(device)
