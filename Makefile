@@ -18,7 +18,7 @@ endif
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED = 1
 
-.PHONY: venv test test-unit test-dist lint format demo pretrain-demo compare bench gpu-check clean
+.PHONY: venv test test-all test-unit test-dist lint format demo pretrain-demo compare bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -29,7 +29,12 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# `make test` (CI) leaves out the tests marked slow: the long sweeps (e.g. the fused kernels' shape
+# sweep in tests/unit/test_attention_shapes.py, tens of minutes); `make test-all` runs everything.
 test: venv
+	$(BIN)/python -m pytest -q tests -m "not slow"
+
+test-all: venv
 	$(BIN)/python -m pytest -q tests
 
 test-unit: venv

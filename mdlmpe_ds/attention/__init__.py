@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from mdlmpe_ds.attention.common import rope_attention
+from mdlmpe_ds.attention.common import check_active_kv, rope_attention
 from mdlmpe_ds.attention.impl import ATTENTION_BACKENDS, AttentionImpl
 from mdlmpe_ds.pe.config import MDLMPEConfig
 from mdlmpe_ds.pe.phase import PhaseParams
@@ -87,6 +87,7 @@ def mdlmpe_attention(
 ) -> torch.Tensor:
     """MDLMPE attention (the maths of ``config``) through the backend of ``impl``. With no active
     head it is plain RoPE SDPA."""
+    check_active_kv("mdlmpe attention", active_kv, k.shape[1])
     if active_kv is not None and not bool(active_kv.any()):
         return rope_attention(q, k, v, key_valid, scale)
     backend = choose_backend(impl.backend, q.device, A.requires_grad or D.requires_grad)

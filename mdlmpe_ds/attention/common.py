@@ -51,12 +51,29 @@ def check_inputs(
             f"{name}: phase MLP w1 {tuple(phase.w1.shape)}, w2 {tuple(phase.w2.shape)} "
             f"do not fit F={num_pairs}"
         )
-    if active_kv is not None and active_kv.shape != (k.shape[1],):
-        raise ValueError(f"{name}: active_kv {tuple(active_kv.shape)}, expected ({k.shape[1]},)")
+    check_active_kv(name, active_kv, k.shape[1])
     if key_valid is not None and key_valid.shape != (batch, length):
         raise ValueError(f"{name}: key_valid {tuple(key_valid.shape)}, expected {(batch, length)}")
     if block_size < 1:
         raise ValueError(f"{name}: block_size must be >= 1, got {block_size}")
+
+
+def check_active_kv(name: str, active_kv: torch.Tensor | None, num_kv: int) -> None:
+    """Raise a ValueError naming attention path ``name`` unless ``active_kv`` is None or a bool
+    mask [Hkv] with one entry per KV head. A mask of another length, or of head indices, would map
+    the heads wrongly without any error further down (query head h reads entry h // (Hq / Hkv))."""
+    if active_kv is None:
+        return
+    if not isinstance(active_kv, torch.Tensor) or active_kv.shape != (num_kv,):
+        shape = tuple(active_kv.shape) if isinstance(active_kv, torch.Tensor) else type(active_kv).__name__
+        raise ValueError(
+            f"{name}: active_kv {shape}, expected a bool mask of shape ({num_kv},), one per KV head"
+        )
+    if active_kv.dtype != torch.bool:
+        raise ValueError(
+            f"{name}: active_kv has dtype {active_kv.dtype}, expected torch.bool (a mask [Hkv], "
+            "not head indices)"
+        )
 
 
 def repeat_kv(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:

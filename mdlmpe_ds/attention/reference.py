@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from mdlmpe_ds.attention.common import key_padding_bias, repeat_kv
+from mdlmpe_ds.attention.common import check_inputs, key_padding_bias, repeat_kv
 from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs, pair_phase
 
@@ -33,6 +33,7 @@ def reference_attention(
     q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated); A, D [B, L, F] fp32; ``active_kv``
     [Hkv] bool (None: all heads active). Output [B, Hq, L, d_h] in q's dtype. Everything in fp32.
     """
+    check_inputs("reference attention", q, k, v, A, D, phase, active_kv, key_valid, 1)
     batch, num_heads, length, head_dim = q.shape
     num_pairs = head_dim // 2
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

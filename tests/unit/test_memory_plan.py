@@ -72,7 +72,6 @@ def test_activation_terms_match_a_measured_narrow_layer(family, encoding, checkp
     _check_against_measured(cfg, 2, 128, Recompute(layers=checkpointing), AttentionImpl(**impl))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["rope", "mdlmpe"])
 def test_activation_terms_match_a_measured_llada_8b_width_layer(encoding):
     """One LLaDA-8B-width layer (d 4096, 32 heads, SwiGLU 12288), fp32, L = 64: ~1.3 GB, ~10 s."""

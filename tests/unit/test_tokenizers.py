@@ -9,7 +9,6 @@ def qwen(qwen_tokenizer_dir):
     return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
 
 
-@pytest.mark.slow
 def test_qwen25_fresh_build_equals_cache(qwen_tokenizer_dir, tmp_path):
     """Rebuild from the cached, verified qwen.tiktoken: the code (not only the cache) gives these files."""
     import zipfile
@@ -117,7 +116,6 @@ def test_gpt2_ids_are_pinned(assets):
     assert gpt2.decode(gpt2(text)["input_ids"]) == text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("vocab", "part"), [("qwen2", "qwen_tokenizer"), ("gpt-2", "gpt2_tokenizer")])
 def test_matches_llama_cpp_reference_tokenizations(assets, vocab, part):
     """llama.cpp's 47 HF-generated reference tokenizations per vocabulary (unicode, whitespace runs,

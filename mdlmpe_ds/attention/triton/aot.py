@@ -16,6 +16,7 @@ Importing this module imports triton (compiler mode unless TRITON_INTERPRET=1 is
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -55,6 +56,9 @@ class KernelResources:
     registers: int
     spill_bytes: int
     compile_s: float
+    #: Memory-fence instructions in the machine code (``fence_instructions``): each one stalls the
+    #: warp until its earlier memory operations are visible GPU-wide.
+    fences: int = 0
 
     @property
     def fits(self) -> bool:
@@ -77,7 +81,7 @@ class KernelResources:
             f"{shape} maxnreg={c.max_registers}: "
             f"shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
             f"({'fits' if self.fits else 'OVER'}), {self.registers} registers, "
-            f"{self.spill_bytes} B spill/thread ({self.compile_s:.0f} s)"
+            f"{self.spill_bytes} B spill/thread, {self.fences} fences ({self.compile_s:.0f} s)"
         )
 
 
@@ -183,6 +187,29 @@ def sass(cubin: bytes) -> str:
         ).stdout
 
 
+# "        /*11be0*/    @!P0 MEMBAR.ALL.GPU ;    /* 0x... */": address, optional predicate, opcode.
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+def fence_instructions(sass_text: str) -> list[str]:
+    """The GPU-wide memory fences of ``cuobjdump -sass`` output, one string each (opcode and
+    operands): MEMBAR at GPU or system scope (what an acquire / release atomic puts around itself)
+    and the ERRBAR / CGAERRBAR that come with it on sm_90. Each one stalls the warp until its
+    earlier global memory operations are visible GPU-wide. Not counted: block-scope MEMBAR.ALL.CTA
+    and FENCE.VIEW.ASYNC, which order shared memory for the sm_90 tensor-core (wgmma) operands,
+    block barriers (BAR) and the relaxed reductions (RED)."""
+    found = []
+    for line in sass_text.splitlines():
+        match = _SASS_LINE.match(line)
+        if not match:
+            continue
+        opcode, operands = match.group(1), match.group(2)
+        wide = opcode == "MEMBAR" and (".GPU" in operands or ".SYS" in operands)
+        if wide or opcode in ("ERRBAR", "CGAERRBAR"):
+            found.append((opcode + operands).strip())
+    return found
+
+
 def compile_kernel(
     kernel: str,
     head_dim: int,
@@ -195,6 +222,7 @@ def compile_kernel(
     start = time.perf_counter()
     compiled = compile_cubin(kernel, head_dim, dtype, capability, config)
     usage = resource_usage(compiled.asm["cubin"])
+    fences = fence_instructions(sass(compiled.asm["cubin"]))
     return KernelResources(
         kernel=kernel,
         capability=capability,
@@ -206,6 +234,7 @@ def compile_kernel(
         registers=usage["REG"],
         spill_bytes=usage["STACK"],
         compile_s=time.perf_counter() - start,
+        fences=len(fences),
     )
 
 

@@ -154,6 +154,9 @@ class _Plan:
         self.phase_tile = config.phase_tile
         self.head_tile = config.tile
         self.key_span = phase_key_span(self.padded, config)
+        # Key spans per row tile: ceil, so the last span (shorter when LP is not a multiple of the
+        # span; the kernels clamp it to LP) is launched too.
+        self.key_spans = math.ceil(self.padded / self.key_span)
         # The pair buffers (alpha, beta; in backward also ddelta) are [chunk, NM, RB, LP] fp32 for
         # a chunk of sequences and a block of RB rows; both are chosen to keep the three under
         # ``budget`` bytes: whole sequences while one fits, else one sequence in row blocks.
@@ -180,7 +183,7 @@ class _Plan:
 
     def phase_grid(self, rows: int, batch: int) -> tuple[int, int, int]:
         """(row tiles, key spans, sequences) of a phase-kernel launch over ``rows`` rows."""
-        return (rows // self.phase_tile, self.padded // self.key_span, batch)
+        return (rows // self.phase_tile, self.key_spans, batch)
 
     def phase_dims(self, r0: int, rows: int) -> tuple[int, ...]:
         symmetric = int(rows == self.padded)  # the whole plane in one launch (r0 = 0)
@@ -268,7 +271,7 @@ class _MDLMPEAttention(torch.autograd.Function):
         qp, kp = plan.pair_components(q), plan.pair_components(k)
         dqp = torch.zeros(batch, num_heads, plan.num_mdlmpe, plan.padded, 2, **f32)  # atomics
         dkp = torch.zeros_like(dqp)  # per query head; added to by its key-tile program only
-        spans = plan.padded // plan.key_span
+        spans = plan.key_spans
         slots = (plan.padded // plan.phase_tile) * spans * batch  # one per phase-kernel program
         dw1 = torch.empty(slots, *w1.shape, **f32)
         db1 = torch.empty(slots, *b1.shape, **f32)
@@ -324,12 +327,12 @@ class _MDLMPEAttention(torch.autograd.Function):
         return (*grads_in, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 6)
 
 
-def _check_inputs(q, k, v, A, D, phase: PhaseParams, key_valid, block_size: int) -> None:
+def _check_inputs(q, k, v, A, D, phase: PhaseParams, active_kv, key_valid, block_size: int) -> None:
     """The shapes every backend checks (``common.check_inputs``), then what the fused kernel adds:
     one dtype, 32-bit offsets, no gradient into A and D, a power-of-2 tile within the GPU range."""
     if q.dim() == 4 and q.shape[-1] % 2:
         raise ValueError(f"triton_attention: head_dim={q.shape[-1]} must be even (rotary pairs)")
-    check_inputs("triton_attention", q, k, v, A, D, phase, None, key_valid, block_size)
+    check_inputs("triton_attention", q, k, v, A, D, phase, active_kv, key_valid, block_size)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"triton_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if q.numel() >= 2**31 or k.numel() >= 2**31:
@@ -428,7 +431,7 @@ def triton_attention(
     config = resolve_launch(
         q, block_size, heads_per_program, pair_chunk, num_warps, num_stages, max_registers, phase_tile
     )
-    _check_inputs(q, k, v, A, D, phase, key_valid, config.tile)
+    _check_inputs(q, k, v, A, D, phase, active_kv, key_valid, config.tile)
     chunk = config.pair_chunk
     if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")

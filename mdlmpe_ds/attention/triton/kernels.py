@@ -8,7 +8,8 @@ Why four kernels. alpha = cos(delta) - 1 and beta = sin(delta) depend on (i, j, 
 the head (Eq. (26); docs/method.md "The correction form"), and are symmetric in (i, j) (Eq. (23)).
 So the pair ratio, the angle, the phase MLP and the sin / cos run once per layer for all heads and
 for half the (i, j) plane, in their own kernels, and the per-head kernels read alpha, beta tiles:
-- ``phase_fwd_kernel`` (per row tile and key span): r, s, the MLP, delta, alpha, beta of the
+- ``phase_fwd_kernel`` (per row tile and key span; the last span may be shorter, clamped to LP):
+  r, s, the MLP, delta, alpha, beta of the
   tiles at or right of the diagonal, stored at (i, j) and (j, i) in alpha, beta [B, NM, RB, LP].
 - ``mdlmpe_fwd_kernel`` (per G query heads and row tile): online softmax over key tiles with
   S = (q.k + E) * scale + key bias. E is accumulated pair by pair, head by head on [BM, BN]
@@ -16,14 +17,16 @@ for half the (i, j) plane, in their own kernels, and the per-head kernels read a
   Saves O and the row max m and sum l.
 - ``mdlmpe_bwd_kernel`` (per G query heads and key tile, over row tiles): recomputes E and P,
   dS = P (dP - delta) * scale; dK, dV held for the key tile; dQ's plain part and the pair parts
-  of dQ added with fp32 atomics (rows are shared between key-tile programs); the pair parts of dK
+  of dQ added with relaxed fp32 atomics (rows are shared between key-tile programs); the pair parts of dK
   added with relaxed atomics in a fixed order (only this program touches its key positions); and
   dE/d delta, summed over the G heads in registers, atomically added to ddelta [B, NM, RB, LP]
   (the head groups of a key tile share it).
 - ``phase_bwd_kernel`` (as ``phase_fwd_kernel``): back through tau * tanh and the MLP's output
   and hidden layers, once per pair for all heads (an off-diagonal tile's gradient is the sum of
   its (i, j) and (j, i) entries); MLP gradients to per-program slots, summed in torch.
-The atomics make dQ's and the MLP gradients' order of summation unfixed on a GPU (run-to-run
+Every atomic is relaxed (``sem="relaxed"``): nothing reads what they add before the kernel ends,
+and the default (acq_rel) would put a GPU-wide fence around each add. The atomics make dQ's and
+the MLP gradients' order of summation unfixed on a GPU (run-to-run
 differences at fp32 rounding). alpha, beta and ddelta are transient HBM buffers: the wrapper
 recomputes alpha, beta for backward and bounds the buffers by launching sequences, or row blocks
 of one sequence (rows R0 .. R0 + RB - 1), that fit its budget; symmetry needs the whole plane in
@@ -707,7 +710,9 @@ def mdlmpe_bwd_kernel(
         dk_acc += _mm(tl.trans(ds, 0, 2, 1).to(qt.dtype), qt, PREC, UPCAST)
         dq_offs = ((b * HQ + heads[:, None, None]) * L + rows[None, :, None]) * DH + d[None, None, :]
         dq_part = _mm(ds.to(kt.dtype), tl.trans(kt, 0, 2, 1), PREC, UPCAST)
-        tl.atomic_add(dq + dq_offs, dq_part, mask=row_ok[None, :, None] & d_ok[None, None, :])
+        # Relaxed, like every other atomic here: the default (acq_rel) puts a GPU-wide fence
+        # around each add, and nothing reads dQ before the kernel ends.
+        tl.atomic_add(dq + dq_offs, dq_part, mask=row_ok[None, :, None] & d_ok[None, None, :], sem="relaxed")
         # 3. Correction, pair by pair, head by head on [BM, BN] tiles: alpha_m, beta_m loaded once
         #    for the G heads, dE/d delta summed over them in registers.
         dsh = _unstack_heads(ds, G)

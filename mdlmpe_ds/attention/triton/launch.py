@@ -80,7 +80,9 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
     - 1 pipelining stage: the kernels are bound by the pair arithmetic on CUDA cores, not by the
       k / v loads a deeper pipeline would prefetch into shared memory.
     - phase kernels: 16 x 16 pair tiles (their [tile^2, F] MLP input lives in registers), 8 warps,
-      the MLP's output layer in chunks of 16 pairs (a tile product needs >= 16).
+      the MLP's output layer in chunks of 16 pairs (a tile product needs >= 16), PHASE_KEY_SPAN key
+      positions per program (the last span of a row shorter when it does not divide LP).
+    - floating-point fusion on in every kernel (``FP_FUSION``, passed by ``kernel_options``).
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"triton launch config: dtype {dtype} is not bf16, fp16 or fp32")
@@ -123,7 +125,8 @@ def pair_padding(config: LaunchConfig) -> int:
 
 def phase_key_span(padded: int, config: LaunchConfig) -> int:
     """Key positions per phase-kernel program: PHASE_KEY_SPAN, so that batch 1 fills a GPU, within
-    [phase_tile, LP]."""
+    [phase_tile, LP]. It need not divide LP: a launch has ceil(LP / span) spans per row tile, the
+    last one clamped to LP by the kernels."""
     return max(config.phase_tile, min(padded, PHASE_KEY_SPAN))
 
 
@@ -191,8 +194,15 @@ def kernel_constexprs(
     return {name: phase if name in PHASE_KERNELS else head for name in KERNELS}
 
 
-def kernel_options(kernel: str, config: LaunchConfig) -> dict[str, int]:
-    """Triton's launch / compile options of ``kernel``: warps, pipelining stages, register cap."""
+#: Floating-point contraction (a * b + c fused into one FMA) in every kernel, set explicitly: the
+#: numbers and the error bounds of the tests were checked with it on, and Triton 3.10 changes the
+#: default to off (triton 3.9 warns when TRITON_DEFAULT_FP_FUSION is unset).
+FP_FUSION = True
+
+
+def kernel_options(kernel: str, config: LaunchConfig) -> dict[str, object]:
+    """Triton's launch / compile options of ``kernel``: warps, pipelining stages, register cap and
+    floating-point fusion (``FP_FUSION``), the same for a launch and an ahead-of-time compile."""
     warps = config.phase_warps if kernel in PHASE_KERNELS else config.num_warps
     stages = 1 if kernel in PHASE_KERNELS else config.num_stages
-    return dict(num_warps=warps, num_stages=stages, maxnreg=config.max_registers)
+    return dict(num_warps=warps, num_stages=stages, maxnreg=config.max_registers, enable_fp_fusion=FP_FUSION)
