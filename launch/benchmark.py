@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.evaluation.benchmark.suites import SUITES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="+", help="exports, training runs or hub ids; the first is the baseline")
+    parser.add_argument(
+        "models", nargs="+", help="exports, training runs or hub ids; the first is the baseline"
+    )
     parser.add_argument("--suite", choices=sorted(SUITES), default="paper-table1")
     parser.add_argument("--names", nargs="+", help="column names (default: the directories' names)")
     parser.add_argument("--family", choices=["llada", "dream"], help="when it cannot be read from the model")
@@ -44,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output prefix (default outputs/benchmark/<suite>)")
     parser.add_argument("--cache", default=None, help="result cache (default: <out's directory>/cache)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--device", default=None, help="default: cuda (cuda:LOCAL_RANK) if available, else cpu")
+    parser.add_argument(
+        "--device", default=None, help="default: cuda (cuda:LOCAL_RANK) if available, else cpu"
+    )
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--mc_batch_size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234, help="requests, few-shot draws, sampling")
@@ -82,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
         allow_code=args.allow_code_execution,
     )
     models = [
-        describe_model(p, args.names[i] if args.names else None, args.family) for i, p in enumerate(args.models)
+        describe_model(p, args.names[i] if args.names else None, args.family)
+        for i, p in enumerate(args.models)
     ]
     out = Path(args.out or f"outputs/benchmark/{suite.name}")
     cache_root = Path(args.cache) if args.cache else out.parent / "cache"

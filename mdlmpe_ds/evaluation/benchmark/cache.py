@@ -115,7 +115,10 @@ class ResultCache:
             entry = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: damaged cache entry ({exc}); delete it to re-run this task") from exc
-        if entry.get("settings") != json.loads(json.dumps(settings)) or entry.get("identity") != model.identity:
+        if (
+            entry.get("settings") != json.loads(json.dumps(settings))
+            or entry.get("identity") != model.identity
+        ):
             return None
         return entry
 

@@ -72,7 +72,11 @@ def build(
         per_model = results[spec.key]
         scores = {m.name: [i["score"] for i in per_model[m.name]] for m in models}
         paired = [
-            {"a": base, "b": m.name, **stats.paired(scores[base], scores[m.name], resamples, seed=seed).to_dict()}
+            {
+                "a": base,
+                "b": m.name,
+                **stats.paired(scores[base], scores[m.name], resamples, seed=seed).to_dict(),
+            }
             for m in models[1:]
         ]
         items = []
@@ -128,8 +132,10 @@ def _only(p: dict) -> str:
 
 
 def _score_cells(row: dict, names: list[str]) -> list[str]:
-    best = max(row["scores"].values())
-    return [f"**{_pct(row['scores'][n])}**" if row["scores"][n] == best else _pct(row["scores"][n]) for n in names]
+    values = [row["scores"][n] for n in names]
+    best = max(values)
+    unique = values.count(best) == 1
+    return [f"**{_pct(v)}**" if unique and v == best else _pct(v) for v in values]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -139,7 +145,12 @@ def markdown(report: dict[str, Any]) -> str:
     for other in names[1:]:
         head += [f"Δ {other} − {base} [95% CI]", "McNemar p", f"only {base} / only {other}"]
     head.append("n")
-    out = [f"**{report['title']}** (scores in %)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = [
+        f"**{report['title']}** (scores in %)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     group = variant = None
     for row in report["rows"]:
         marker = row["variant"] or row["group"]
@@ -155,7 +166,8 @@ def markdown(report: dict[str, Any]) -> str:
     out += [
         "",
         f"Δ: paired difference, {s['interval']} ({s['resamples']} resamples, seed {s['seed']}); "
-        f"p: {s['test']}; only A / only B: items one model alone got right. Bold: the higher score.",
+        f"p: {s['test']}; only A / only B: items one model alone got right. "
+        "Bold: the best score, where one model has it.",
     ]
     if any(r["variant"] for r in report["rows"]):
         out += ["", _by_variant(report, names)]
@@ -170,5 +182,7 @@ def _by_variant(report: dict[str, Any], names: list[str]) -> str:
     out = ["| Pos. | Variant | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 2)]
     for v in variants:
         for n in names:
-            out.append(f"| {n} | {v} | " + " | ".join(_pct(cell[(v, lab)]["scores"][n]) for lab in labels) + " |")
+            out.append(
+                f"| {n} | {v} | " + " | ".join(_pct(cell[(v, lab)]["scores"][n]) for lab in labels) + " |"
+            )
     return "\n".join(out)

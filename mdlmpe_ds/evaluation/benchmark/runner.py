@@ -70,7 +70,8 @@ def task_source(opts: RunOptions) -> str:
     if not root.is_dir():
         raise FileNotFoundError(f"--task_dir {root}: no such directory")
     files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    return f"{harness}; {root.resolve()} sha256:{digest([(str(p.relative_to(root)), p.read_text()) for p in files])[:16]}"
+    contents = digest([(str(p.relative_to(root)), p.read_text()) for p in files])
+    return f"{harness}; {root.resolve()} sha256:{contents[:16]}"
 
 
 def settings_for(spec: TaskSpec, family: str, opts: RunOptions, source: str, device: str) -> dict[str, Any]:
@@ -126,7 +127,9 @@ def check_matched(suite: Suite, jobs: list[Job]) -> None:
 def check_same_items(spec: TaskSpec, results: dict[str, list[dict]]) -> None:
     """The same documents with the same prompts for every model, in the same order."""
     names = list(results)
-    keys = {n: [(i["subtask"], i["doc_id"], i["doc_hash"], i["prompt_hash"]) for i in results[n]] for n in names}
+    keys = {
+        n: [(i["subtask"], i["doc_id"], i["doc_hash"], i["prompt_hash"]) for i in results[n]] for n in names
+    }
     for n in names[1:]:
         if keys[n] != keys[names[0]]:
             raise ValueError(
@@ -158,7 +161,9 @@ def items_from_samples(samples: dict[str, list[dict]], metric_key: str) -> list[
             if row["filter"] != filt:
                 continue
             if metric not in row:
-                raise ValueError(f"{subtask}: no metric {metric!r} in lm-eval's samples (has {row['metrics']})")
+                raise ValueError(
+                    f"{subtask}: no metric {metric!r} in lm-eval's samples (has {row['metrics']})"
+                )
             items.append(
                 {
                     "subtask": subtask,
@@ -184,25 +189,37 @@ def _plain(resps: Any) -> Any:
     return str(resps)
 
 
-def evaluate_job(job: Job, make_lm: Callable[[dict[str, Any]], Any], opts: RunOptions, task_manager) -> list | None:
-    """Score one (model, row) through lm-eval; None on ranks other than 0 (lm-eval gathers to 0)."""
-    from lm_eval.evaluator import simple_evaluate
+def evaluate_job(
+    job: Job, make_lm: Callable[[dict[str, Any]], Any], opts: RunOptions, task_manager
+) -> list | None:
+    """Score one (model, row) through lm-eval; None on ranks other than 0 (lm-eval gathers to 0).
+
+    lm-eval's ``evaluate`` on the task loaded here, rather than ``simple_evaluate``: the few-shot
+    count is set on every (sub)task unconditionally (``simple_evaluate`` keeps a task's own 0 and
+    ignores the request), and no environment report (a ``pip`` listing per call) is collected.
+    """
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate
 
     lm = make_lm(job.settings["decoding"])
     lm.progress_desc = f"{job.model.name}: {job.spec.row_label()} {job.spec.variant}".strip()
-    seed = opts.seed
-    out = simple_evaluate(
-        model=lm,
-        tasks=[job.spec.task.value],
-        num_fewshot=job.spec.num_fewshot.value,
+    random.seed(opts.seed)
+    np.random.seed(opts.seed)
+    torch.manual_seed(opts.seed)
+    loaded = task_manager.load([job.spec.task.value])
+    for task in loaded["tasks"].values():
+        task.set_config(key="num_fewshot", value=job.spec.num_fewshot.value)
+        task.set_fewshot_seed(seed=opts.seed)
+    out = evaluate(
+        lm=lm,
+        task_dict=loaded,
         limit=opts.limit,
-        task_manager=task_manager,
-        log_samples=True,
         bootstrap_iters=0,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
+        log_samples=True,
+        verbosity="WARNING",
         confirm_run_unsafe_code=opts.allow_code and job.spec.kind == CODE,
     )
     if out is None:

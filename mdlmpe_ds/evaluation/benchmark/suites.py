@@ -97,7 +97,9 @@ def _llada_gen(length: int, line: str, suppress_eos: bool = False) -> dict[str, 
     return {
         "gen_length": _s(length, src),
         "block_length": _s(length, src + "; pure diffusion, EVAL.md:70"),
-        "steps": _s(length, f"{LLADA} opencompass/examples/llada_instruct_gen_*.py:9 (gen_steps = gen_length)"),
+        "steps": _s(
+            length, f"{LLADA} opencompass/examples/llada_instruct_gen_*.py:9 (gen_steps = gen_length)"
+        ),
         "algorithm": _s("low_confidence", f"{LLADA} eval_llada.py:45 (remasking='low_confidence')"),
         "temperature": _s(0.0, f"{LLADA} eval_llada.py:265 (temperature=0)"),
         "suppress_eos": _s(suppress_eos, f"{LLADA} EVAL.md:76 (logits_eos_inf)"),
@@ -195,7 +197,9 @@ TABLE1 = Suite(
         TaskSpec(
             label="MATH",
             group="math and reasoning",
-            task=_s("minerva_math", f"paper 'Hendrycks MATH'; lm-eval task as {LLADA} eval_llada_lm_eval.sh:36"),
+            task=_s(
+                "minerva_math", f"paper 'Hendrycks MATH'; lm-eval task as {LLADA} eval_llada_lm_eval.sh:36"
+            ),
             num_fewshot=_s(4, "paper Table 1 'MATH (4)'"),
             kind=GENERATE,
             metric=_s("exact_match,none", "lm-eval minerva_math's own answer normalisation"),
@@ -258,7 +262,9 @@ def get_suite(name: str) -> Suite:
 def decoding_for(spec: TaskSpec, family: str) -> dict[str, Any]:
     """The adapter keyword arguments of ``spec`` for a model family (plain values)."""
     if family not in spec.decoding:
-        raise ValueError(f"{spec.label}: no decoding settings for family {family!r} ({sorted(spec.decoding)})")
+        raise ValueError(
+            f"{spec.label}: no decoding settings for family {family!r} ({sorted(spec.decoding)})"
+        )
     return {k: v.value for k, v in spec.decoding[family].items()}
 
 

@@ -78,12 +78,28 @@ def mbpp_results(doc, results):
 
 def mbpp_fewshot(**_):
     return [
-        {"is_fewshot": True, "text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
-         "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(2, 2) == 4"]},
-        {"is_fewshot": True, "text": "Write a function to negate a number.", "code": "def neg(a):\n    return -a",
-         "test_list": ["assert neg(1) == -1", "assert neg(0) == 0", "assert neg(-2) == 2"]},
-        {"is_fewshot": True, "text": "Write a function to double a number.", "code": "def dbl(a):\n    return 2 * a",
-         "test_list": ["assert dbl(1) == 2", "assert dbl(0) == 0", "assert dbl(3) == 6"]},
-        {"is_fewshot": True, "text": "Write a function to square a number.", "code": "def sq(a):\n    return a * a",
-         "test_list": ["assert sq(1) == 1", "assert sq(0) == 0", "assert sq(3) == 9"]},
+        {
+            "is_fewshot": True,
+            "text": "Write a function to add two numbers.",
+            "code": "def add(a, b):\n    return a + b",
+            "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(2, 2) == 4"],
+        },
+        {
+            "is_fewshot": True,
+            "text": "Write a function to negate a number.",
+            "code": "def neg(a):\n    return -a",
+            "test_list": ["assert neg(1) == -1", "assert neg(0) == 0", "assert neg(-2) == 2"],
+        },
+        {
+            "is_fewshot": True,
+            "text": "Write a function to double a number.",
+            "code": "def dbl(a):\n    return 2 * a",
+            "test_list": ["assert dbl(1) == 2", "assert dbl(0) == 0", "assert dbl(3) == 6"],
+        },
+        {
+            "is_fewshot": True,
+            "text": "Write a function to square a number.",
+            "code": "def sq(a):\n    return a * a",
+            "test_list": ["assert sq(1) == 1", "assert sq(0) == 0", "assert sq(3) == 9"],
+        },
     ]
