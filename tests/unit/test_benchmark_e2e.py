@@ -124,3 +124,30 @@ def test_execution_guard_passes_correct_programs_only():
     mbpp = {"test_list": ["assert tri(1) == 3", "assert tri(2) == 6"]}
     assert task_utils.mbpp_results(mbpp, ["def tri(a):\n    return 3 * a"]) == {"pass_at_1": 1.0}
     assert task_utils.mbpp_results(mbpp, ["def tri(a):\n    return a"]) == {"pass_at_1": 0.0}
+
+
+@pytest.mark.dist
+def test_data_parallel_under_torchrun_scores_the_same_items(pair, tmp_path, monkeypatch):
+    """Two gloo processes (lm-eval shards the documents by rank; rank 0 gathers, caches and reports)
+    give the single process's per-item results: requests are seeded by their text, not their rank."""
+    import os
+    import socket
+    import subprocess
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = ["--only", "mmlu", "gsm8k", "humaneval", "--device", "cpu", "--allow_code_execution"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, str(REPO / "launch" / "benchmark.py"), *_args(pair, tmp_path / "dp", *rows)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _cli().main(_args(pair, tmp_path / "sp", *rows)) == 0
+    dp = json.loads((tmp_path / "dp" / "table1.json").read_text())
+    sp = json.loads((tmp_path / "sp" / "table1.json").read_text())
+    assert [r["n"] for r in dp["rows"]] == [4, 4, 4]
+    assert dp["rows"] == sp["rows"]

@@ -118,7 +118,7 @@ def check_matched(suite: Suite, jobs: list[Job]) -> None:
             if other.settings != first.settings:
                 diff = _differences(first.settings, other.settings)
                 raise ValueError(
-                    f"{spec.row_label()} {spec.variant}: {first.model.name} ({first.model.family}) and "
+                    f"{spec.display()}: {first.model.name} ({first.model.family}) and "
                     f"{other.model.name} ({other.model.family}) would be scored under different settings "
                     f"({diff}); a paired comparison needs the same family and options"
                 )
@@ -133,7 +133,7 @@ def check_same_items(spec: TaskSpec, results: dict[str, list[dict]]) -> None:
     for n in names[1:]:
         if keys[n] != keys[names[0]]:
             raise ValueError(
-                f"{spec.row_label()} {spec.variant}: {names[0]} and {n} were scored on different items or "
+                f"{spec.display()}: {names[0]} and {n} were scored on different items or "
                 f"prompts ({len(keys[names[0]])} vs {len(keys[n])} items); the task definition changed "
                 "between their runs: delete their cache entries and re-run"
             )
@@ -205,7 +205,7 @@ def evaluate_job(
     from lm_eval.evaluator import evaluate
 
     lm = make_lm(job.settings["decoding"])
-    lm.progress_desc = f"{job.model.name}: {job.spec.row_label()} {job.spec.variant}".strip()
+    lm.progress_desc = f"{job.model.name}: {job.spec.display()}"
     random.seed(opts.seed)
     np.random.seed(opts.seed)
     torch.manual_seed(opts.seed)

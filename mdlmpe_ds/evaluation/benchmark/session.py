@@ -74,7 +74,7 @@ def run(
     task_manager, loaded = None, None
     bar = tqdm(jobs, desc="benchmark", unit="task", disable=not progress or rank() != 0)
     for job in bar:
-        bar.set_postfix_str(f"{job.model.name} {job.spec.row_label()} {job.spec.variant}".strip())
+        bar.set_postfix_str(f"{job.model.name} {job.spec.display()}")
         if job.cached is not None:
             results[job.spec.key][job.model.name] = job.cached["items"]
             continue

@@ -7,13 +7,13 @@ from the official evaluation settings of the two backbones:
 
 - LLaDA: ``EVAL.md``, ``eval_llada.py`` and ``eval_llada_lm_eval.sh`` of github ML-GSAI/LLaDA at
   commit b7e6c35 (cited below as ``LLaDA <file>:<line>``);
-- Dream: ``eval_instruct/eval.sh`` of github Dream-org/Dream, read through its verbatim copy in
-  zhangshuibai/llada-reproduce ``Dream/eval_instruct/eval.sh`` at commit 48504e4 (``Dream
-  eval.sh:<line>``).
+- Dream: ``eval_instruct/eval.sh`` (Dream-v0-Instruct's generation settings), ``eval/eval_dream_mc.sh``
+  and ``eval/eval.py`` (likelihood scoring) of github DreamLM/Dream (the Dream-org models' code) at
+  commit fac0a7f (``Dream <file>:<line>``).
 
 Where neither says anything the value is this project's choice and says so. Multiple-choice tasks are
-scored by the conditional diffusion ELBO of each option (LLaDA's likelihood protocol) for both
-families, so one protocol serves the whole table; Dream's own scripts score MMLU generatively.
+scored by the conditional diffusion ELBO of each option for both families, as both base models'
+likelihood evaluations do (LLaDA ``eval_llada_lm_eval.sh``, Dream ``eval/eval_dream_mc.sh``).
 
 Item counts (``items``) are the sizes of the evaluated splits, used only by ``--dry-run``'s estimate.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 LLADA = "ML-GSAI/LLaDA@b7e6c35"
-DREAM = "Dream-org/Dream eval_instruct/eval.sh (copy: zhangshuibai/llada-reproduce@48504e4)"
+DREAM = "DreamLM/Dream@fac0a7f"
 PAPER_T1 = "paper Table 1 row label / Appendix 'Datasets and Evaluation Benchmarks'"
 OURS = "this project (paper and official scripts silent)"
 SPLIT = "size of the lm-eval task's evaluation split"
@@ -76,6 +76,10 @@ class TaskSpec:
     def row_label(self) -> str:
         return f"{self.label} ({self.num_fewshot.value})"
 
+    def display(self) -> str:
+        """The row label with its variant (``MMLU (5) B=16``)."""
+        return f"{self.row_label()} {self.variant}".strip()
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -86,10 +90,20 @@ class Suite:
 
 
 # ----------------------------------------------------------------------------------- decoding
-def _likelihood(mc_num: int, mc_src: str) -> dict[str, dict[str, Sourced]]:
-    cfg = _s(0.0, f"{LLADA} EVAL.md:41 (LLaDA's Table 1 reports results without CFG)")
-    one = {"mc_num": _s(mc_num, mc_src), "cfg_scale": cfg}
-    return {"llada": one, "dream": dict(one)}
+def _likelihood(llada_mc: Sourced, dream_mc: Sourced) -> dict[str, dict[str, Sourced]]:
+    return {
+        "llada": {
+            "mc_num": llada_mc,
+            "cfg_scale": _s(0.0, f"{LLADA} EVAL.md:41 (LLaDA's Table 1 reports results without CFG)"),
+        },
+        "dream": {
+            "mc_num": dream_mc,
+            "cfg_scale": _s(0.0, f"{DREAM} eval/eval.py:40,342 (guidance 1.0 = off)"),
+        },
+    }
+
+
+_DREAM_MC = f"{DREAM} eval/eval.py:39 (mc_num=128; eval_dream_mc.sh:2-3 runs this task with the default)"
 
 
 def _llada_gen(length: int, line: str, suppress_eos: bool = False) -> dict[str, Sourced]:
@@ -107,7 +121,7 @@ def _llada_gen(length: int, line: str, suppress_eos: bool = False) -> dict[str, 
 
 
 def _dream_gen(length: int, line: int) -> dict[str, Sourced]:
-    src = f"{DREAM}:{line}"
+    src = f"{DREAM} eval_instruct/eval.sh:{line}"
     return {
         "gen_length": _s(length, f"{src} (max_new_tokens)"),
         "steps": _s(length, f"{src} (diffusion_steps)"),
@@ -133,7 +147,10 @@ def _mmlu() -> TaskSpec:
         items=_s(14042, SPLIT + " (test)"),
         choices=4,
         subtasks=57,
-        decoding=_likelihood(1, f"{LLADA} eval_llada_lm_eval.sh:24 (mc_num=1; one-token answers)"),
+        decoding=_likelihood(
+            _s(1, f"{LLADA} eval_llada_lm_eval.sh:24 (mc_num=1)"),
+            _s(1, f"{_DREAM_MC}; a one-token answer makes every row the exact log-probability, so 1 row"),
+        ),
     )
 
 
@@ -147,7 +164,7 @@ def _arc() -> TaskSpec:
         metric=_s("acc_norm,none", OURS + ": length-normalised accuracy, as the Open LLM Leaderboard"),
         items=_s(1172, SPLIT + " (test)"),
         choices=4,
-        decoding=_likelihood(128, f"{LLADA} eval_llada_lm_eval.sh:16 (mc_num=128)"),
+        decoding=_likelihood(_s(128, f"{LLADA} eval_llada_lm_eval.sh:16 (mc_num=128)"), _s(128, _DREAM_MC)),
     )
 
 
@@ -161,7 +178,7 @@ def _hellaswag() -> TaskSpec:
         metric=_s("acc_norm,none", OURS + ": length-normalised accuracy, as the Open LLM Leaderboard"),
         items=_s(10042, SPLIT + " (validation)"),
         choices=4,
-        decoding=_likelihood(128, f"{LLADA} eval_llada_lm_eval.sh:18 (mc_num=128)"),
+        decoding=_likelihood(_s(128, f"{LLADA} eval_llada_lm_eval.sh:18 (mc_num=128)"), _s(128, _DREAM_MC)),
     )
 
 
