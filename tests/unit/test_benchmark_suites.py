@@ -184,3 +184,16 @@ def test_cache_entries_are_keyed_by_model_task_and_settings(tmp_path):
     assert cache.load(model, "gsm8k-4shot", settings)["items"] == [{"score": 1.0}]
     assert cache.load(model, "gsm8k-4shot", {**settings, "decoding": {"steps": 16}}) is None
     assert cache.load(ModelRef("a", "a", "llada", '{"other": 1}', True), "gsm8k-4shot", settings) is None
+
+
+def test_default_names_tell_two_exports_apart(tmp_path):
+    from mdlmpe_ds.evaluation.benchmark.session import default_names
+
+    for run in ("rope", "mdlmpe"):
+        (tmp_path / run / "export").mkdir(parents=True)
+    assert default_names([str(tmp_path / "rope"), "GSAI-ML/LLaDA-8B-Base"]) == [
+        "rope",
+        "GSAI-ML/LLaDA-8B-Base",
+    ]
+    paths = [str(tmp_path / "rope" / "export"), str(tmp_path / "mdlmpe" / "export")]
+    assert default_names(paths) == ["rope/export", "mdlmpe/export"]

@@ -31,6 +31,17 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def default_names(paths: list[str]) -> list[str]:
+    """Column names: each directory's name, or ``parent/name`` where two would collide (two runs'
+    ``export`` directories); hub ids as given."""
+    short = [Path(p).resolve().name if Path(p).exists() else p for p in paths]
+    if len(set(short)) == len(short):
+        return short
+    return [
+        f"{Path(p).resolve().parent.name}/{Path(p).resolve().name}" if Path(p).exists() else p for p in paths
+    ]
+
+
 def check_models(models: list[ModelRef]) -> None:
     if len(models) < 2:
         raise ValueError("a paired comparison needs at least two models (the first is the baseline)")
@@ -84,7 +95,8 @@ def run(
             task_manager = TaskManager(include_path=opts.task_dir, include_defaults=opts.task_dir is None)
         if loaded is None or loaded[0] is not job.model:
             loaded = None
-            gc.collect()
+            gc.collect()  # release the previous model before loading the next
+            _empty_cuda_cache()
             loaded = (job.model, *_load(job.model, opts))
         items = evaluate_job(job, _lm_factory(loaded[1], loaded[2], opts), opts, task_manager)
         if items is not None:
@@ -122,3 +134,10 @@ def _lm_factory(net: Any, tokenizer: Any, opts: RunOptions):
         )
 
     return make
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
