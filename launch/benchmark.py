@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="+", dest="overrides", metavar="KEY=VALUE", help="decoding override")
     parser.add_argument("--task_dir", help="local task definitions instead of lm-eval's registry")
     parser.add_argument("--allow_code_execution", action="store_true", help="run the code tasks' programs")
+    parser.add_argument(
+        "--chat_template",
+        action="store_true",
+        help="prompts through the model's chat template (few-shot as turns)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the suite and the plan, run nothing")
     parser.add_argument("--out", default=None, help="output prefix (default outputs/benchmark/<suite>)")
     parser.add_argument("--cache", default=None, help="result cache (default: <out's directory>/cache)")
@@ -82,8 +87,11 @@ def _run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         mc_batch_size=args.mc_batch_size,
         task_dir=args.task_dir,
-        overrides=parse_overrides(args.overrides, suite),
+        overrides=parse_overrides(
+            args.overrides, get_suite(args.suite)
+        ),  # a key of any row: --only may drop it
         allow_code=args.allow_code_execution,
+        chat_template=args.chat_template,
     )
     models = [
         describe_model(p, args.names[i] if args.names else None, args.family)

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
-SPECIALS = ["<|endoftext|>", "[UNK]", "<|im_start|>", "<|mask|>", "<|im_end|>"]  # ids 0..4
+CHAT = ["<|startoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]  # LLaDA's chat tokens
+SPECIALS = ["<|endoftext|>", "[UNK]", "<|im_start|>", "<|mask|>", "<|im_end|>", *CHAT]
 CHARS = list(string.printable)  # 100 characters: the tasks' prompts, code and answers
 
 
 def make_char_tokenizer(directory: Path) -> Path:
-    """One token per character (a real ``tokenizers`` model saved as a HF fast tokenizer)."""
+    """One token per character (a real ``tokenizers`` model saved as a HF fast tokenizer), plus
+    LLaDA's chat tokens, so that ``--chat_template`` renders LLaDA's template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +35,7 @@ def make_char_tokenizer(directory: Path) -> Path:
         pad_token="<|endoftext|>",
         unk_token="[UNK]",
         mask_token="<|mask|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *CHAT],
     )
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(directory)

@@ -103,6 +103,22 @@ def test_paired_table_from_two_tiny_checkpoints_and_a_cached_rerun(pair, tmp_pat
     assert capsys.readouterr().out.count("5 of 8 tasks to run") == 2  # the generation rows
 
 
+def test_chat_template_prompts_are_a_setting_of_their_own(pair, tmp_path, monkeypatch):
+    """--chat_template renders the prompts through the family's template (other prompts, so other
+    prompt hashes) and is part of the settings: a separate cache entry, never mixed with plain ones."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cli, runs = _cli(), {}
+    for extra in ([], ["--chat_template"]):
+        assert cli.main(_args(pair, tmp_path, "--only", "hellaswag", *extra)) == 0
+        runs[bool(extra)] = json.loads((tmp_path / "table1.json").read_text())["rows"][0]
+    assert runs[True]["settings"]["chat_template"] and not runs[False]["settings"]["chat_template"]
+    plain = [i["prompt_hash"] for i in runs[False]["items"]]
+    chat = [i["prompt_hash"] for i in runs[True]["items"]]
+    assert [i["doc_hash"] for i in runs[False]["items"]] == [i["doc_hash"] for i in runs[True]["items"]]
+    assert not set(plain) & set(chat)
+    assert len(list((tmp_path / "cache").rglob("hellaswag-*.json"))) == 4  # 2 models x 2 settings
+
+
 def test_code_tasks_need_the_explicit_flag(pair, tmp_path, capsys):
     assert _cli().main(_args(pair, tmp_path)) == 2
     assert "--allow_code_execution" in capsys.readouterr().err

@@ -38,6 +38,7 @@ class RunOptions:
     task_dir: str | None = None  # local task definitions instead of lm-eval's registry
     overrides: dict[str, Any] = field(default_factory=dict)  # decoding values set on the command line
     allow_code: bool = False
+    chat_template: bool = False  # prompts through the model's chat template, few-shot as turns
 
 
 @dataclass
@@ -85,6 +86,7 @@ def settings_for(spec: TaskSpec, family: str, opts: RunOptions, source: str, dev
         "seed": opts.seed,
         "limit": opts.limit,
         "dtype": opts.dtype,
+        "chat_template": opts.chat_template,
         "device_type": device.split(":")[0],
         "tasks_from": source,
     }
@@ -220,6 +222,8 @@ def evaluate_job(
         bootstrap_iters=0,
         log_samples=True,
         verbosity="WARNING",
+        apply_chat_template=opts.chat_template,
+        fewshot_as_multiturn=opts.chat_template,
         confirm_run_unsafe_code=opts.allow_code and job.spec.kind == CODE,
     )
     if out is None:
