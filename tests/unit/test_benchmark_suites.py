@@ -197,3 +197,27 @@ def test_default_names_tell_two_exports_apart(tmp_path):
     ]
     paths = [str(tmp_path / "rope" / "export"), str(tmp_path / "mdlmpe" / "export")]
     assert default_names(paths) == ["rope/export", "mdlmpe/export"]
+
+
+def test_every_rows_decoding_is_accepted_by_the_adapter_and_the_sampler():
+    """Each row's settings are keyword arguments of the lm-eval adapter, for both families, and the
+    generation rows give a valid sampler configuration (names and values, not only their sources)."""
+    import torch
+
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+    from mdlmpe_ds.models import DiffusionLM, preset
+
+    class Tok:
+        bos_token_id = None
+
+    torch.manual_seed(0)
+    model = DiffusionLM(preset("llada-tiny")).eval()
+    for suite in SUITES.values():
+        for spec in suite.tasks:
+            for family in suites.FAMILIES:
+                lm = MDLMPEEvalLM(model, tokenizer=Tok(), device="cpu", **suites.decoding_for(spec, family))
+                if spec.kind != suites.LIKELIHOOD:
+                    config = lm._sampler_config({"max_gen_toks": 7})
+                    assert config.gen_length == suites.decoding_for(spec, family)["gen_length"]
+                else:
+                    assert lm.mc_num == suites.decoding_for(spec, family)["mc_num"]

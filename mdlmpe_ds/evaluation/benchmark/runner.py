@@ -12,7 +12,6 @@ documents by rank (the adapter's hooks gather them); rank 0 writes the cache and
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +20,6 @@ from typing import Any
 
 from mdlmpe_ds.evaluation.benchmark.cache import ModelRef, ResultCache, digest
 from mdlmpe_ds.evaluation.benchmark.suites import CODE, Suite, TaskSpec, decoding_for, forward_passes
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
