@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from mdlmpe_ds.evaluation.benchmark import report, session
-    from mdlmpe_ds.evaluation.benchmark.cache import describe_model
+    from mdlmpe_ds.evaluation.benchmark.cache import describe_model, resolve_hub
     from mdlmpe_ds.evaluation.benchmark.runner import RunOptions
     from mdlmpe_ds.evaluation.benchmark.suites import get_suite, parse_overrides, select
 
@@ -93,10 +93,9 @@ def _run(args: argparse.Namespace) -> int:
         allow_code=args.allow_code_execution,
         chat_template=args.chat_template,
     )
-    models = [
-        describe_model(p, args.names[i] if args.names else None, args.family)
-        for i, p in enumerate(args.models)
-    ]
+    names = args.names or session.default_names(args.models)
+    describe = describe_model if args.dry_run else resolve_hub  # a real run downloads hub ids first
+    models = [describe(p, names[i], args.family) for i, p in enumerate(args.models)]
     out = Path(args.out or f"outputs/benchmark/{suite.name}")
     cache_root = Path(args.cache) if args.cache else out.parent / "cache"
     first = session.rank() == 0

@@ -147,6 +147,7 @@ def test_dry_run_prints_the_full_plan_for_hub_names_without_network(tmp_path, mo
     # MMLU: 14042 items x 4 options x mc_num 1; GSM8K: 1319 x 512 steps
     assert "~56,168 forwards" in out and f"~{1319 * 512:,} forwards" in out
     assert out.count("8 of 8 tasks to run") == 2
+    assert "\nGSAI-ML/LLaDA-8B-Instruct: GSAI-ML/LLaDA-8B-Instruct [llada, hub id" in out  # default names
     rc = cli.main(["--suite", "paper-table3", "Dream-org/Dream-v0-Instruct-7B", "x/Dream-mdlmpe", "--dry-run",
                    "--out", str(tmp_path / "t3"), "--limit", "2"])  # fmt: skip
     out = capsys.readouterr().out
@@ -221,3 +222,28 @@ def test_every_rows_decoding_is_accepted_by_the_adapter_and_the_sampler():
                     assert config.gen_length == suites.decoding_for(spec, family)["gen_length"]
                 else:
                     assert lm.mc_num == suites.decoding_for(spec, family)["mc_num"]
+
+
+def test_hub_ids_are_identified_by_their_snapshot_for_a_real_run(tmp_path, monkeypatch):
+    """A real run resolves a hub id to its snapshot first (as load_model would), so a new revision
+    is a new model for the cache; the id stays the column name. A dry run resolves nothing."""
+    import json
+
+    from mdlmpe_ds.evaluation.benchmark import cache
+    from mdlmpe_ds.hub import resolve as hub_resolve
+
+    snapshots = {}
+    for rev in ("aaa", "bbb"):
+        snap = tmp_path / "snapshots" / rev
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps({"model_type": "llada"}))
+        (snap / "model.safetensors").write_bytes(b"x" * (3 if rev == "aaa" else 4))
+        snapshots[rev] = snap
+    current = {"rev": "aaa"}
+    monkeypatch.setattr(hub_resolve, "resolve", lambda name, **k: snapshots[current["rev"]])
+    first = cache.resolve_hub("GSAI-ML/LLaDA-8B-Instruct")
+    assert first.name == "GSAI-ML/LLaDA-8B-Instruct" and first.family == "llada" and first.local
+    assert str(snapshots["aaa"]) in first.identity
+    current["rev"] = "bbb"
+    assert cache.resolve_hub("GSAI-ML/LLaDA-8B-Instruct").cache_dir_name != first.cache_dir_name
+    assert not describe_model("GSAI-ML/LLaDA-8B-Instruct").local  # the dry run's description

@@ -6,7 +6,9 @@ hub names on a machine that has never downloaded them:
 
 - a local directory (export or training run): its resolved path plus the names, sizes and
   modification times of its weight files (a re-export or a new checkpoint is a new model);
-- a hub id not on disk: the id itself (and the family read from the name: ``LLaDA`` / ``Dream``).
+- a hub id: before a real run it is resolved to its snapshot (``resolve_hub``), so the snapshot's
+  path (it names the commit) identifies it like any local directory; ``--dry-run`` resolves nothing
+  and uses the id itself (and the family read from the name: ``LLaDA`` / ``Dream``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ def describe_model(path: str, name: str | None = None, family: str | None = None
         raise FileNotFoundError(f"{path}: no such model directory or run, and not a hub id (org/name)")
     fam = family or _family_from_name(path)
     return ModelRef(display, path, fam, json.dumps({"hub": path}), local=False)
+
+
+def resolve_hub(path: str, name: str | None = None, family: str | None = None) -> ModelRef:
+    """``describe_model`` of a hub id's downloaded snapshot (the same resolution ``load_model``
+    makes), keeping the id as the column name; a local path is described as it is."""
+    from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
+
+    if Path(path).exists() or not looks_like_hub_id(path):
+        return describe_model(path, name, family)
+    return describe_model(str(resolve(path, what="model")), name or path, family)
 
 
 def _family_from_name(name: str) -> str:
