@@ -48,30 +48,32 @@ def conditional_elbo(
     generator: torch.Generator,
     mc_num: int = 128,
     batch_size: int = 32,
+    trailing_masks: int = 0,
 ) -> float:
     """Monte-Carlo ELBO estimate of log p(continuation | context) (nats), ``mc_num`` rows in batches.
 
-    ``model(ids [b, P+T], valid=None) -> aligned logits``. Randomness (k and the masked positions)
-    comes from ``generator`` (CPU), so a request's estimate is reproducible.
+    ``model(ids [b, P+T+n], valid=None) -> aligned logits``. Randomness (k and the masked positions)
+    comes from ``generator`` (CPU), so a request's estimate is reproducible. ``trailing_masks`` = n
+    mask tokens follow the continuation in every row, never scored (later blocks not yet decoded).
     """
     if mc_num < 1 or batch_size < 1:
         raise ValueError(f"mc_num={mc_num} and batch_size={batch_size} must be >= 1")
     if mask_id in context or mask_id in continuation:
         raise ValueError(f"the context or continuation contains the mask token id {mask_id}")
     device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else torch.device("cpu")
-    P, T = len(context), len(continuation)
-    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long)  # [P+T]
+    P, T, n = len(context), len(continuation), int(trailing_masks)
+    seq = torch.tensor([*context, *continuation, *[mask_id] * n], dtype=torch.long)  # [P+T+n]
     total, rows = 0.0, 0
     while rows < mc_num:
         b = min(batch_size, mc_num - rows)
         k = stratified_mask_counts(T, b, generator)  # [b]
         # 1. Mask k_i random continuation positions in row i; the context stays clean.
         ranks = torch.stack([torch.randperm(T, generator=generator) for _ in range(b)])  # [b, T]
-        masked = torch.zeros(b, P + T, dtype=torch.bool)
-        masked[:, P:] = ranks < k[:, None]  # [b, P+T]
+        masked = torch.zeros(b, P + T + n, dtype=torch.bool)
+        masked[:, P : P + T] = ranks < k[:, None]  # [b, P+T+n]
         noisy = torch.where(masked, torch.full_like(seq, mask_id), seq.expand(b, -1))
         # 2. Sum_masked CE * T / k per row (CE in fp32).
-        logits = model(noisy.to(device))  # [b, P+T, V]
+        logits = model(noisy.to(device))  # [b, P+T+n, V]
         rows_i, cols = masked.nonzero(as_tuple=True)
         ce = F.cross_entropy(
             logits[rows_i.to(device), cols.to(device)].float(), seq[cols].to(device), reduction="none"
@@ -80,6 +82,45 @@ def conditional_elbo(
         total += float((ce.double() * weight).sum())
         rows += b
     return -total / mc_num
+
+
+def blockwise_elbo(
+    model: Callable[..., torch.Tensor],
+    context: Sequence[int],
+    continuation: Sequence[int],
+    mask_id: int,
+    generator: torch.Generator,
+    block_length: int,
+    block_context: str = "full",
+    mc_num: int = 128,
+    batch_size: int = 32,
+) -> float:
+    """log p(continuation | context) as block diffusion factorises it: the sum over blocks of
+    ``block_length`` tokens (counted from the continuation's start) of the conditional ELBO of a block
+    given the context and the blocks before it (exact: log p(x) = sum_b log p(x_b | x_<b)).
+
+    ``block_context``: ``full`` keeps the later blocks in the input as masks (LLaDA's semi-
+    autoregressive decoding sees them so); ``blocked`` leaves them out (they are invisible).
+    """
+    if block_length < 1:
+        raise ValueError(f"block_length must be >= 1, got {block_length}")
+    if block_context not in ("full", "blocked"):
+        raise ValueError(f"block_context must be 'full' or 'blocked', got {block_context!r}")
+    T, total = len(continuation), 0.0
+    for start in range(0, T, block_length):
+        end = min(start + block_length, T)
+        later = T - end if block_context == "full" else 0
+        total += conditional_elbo(
+            model,
+            [*context, *continuation[:start]],
+            continuation[start:end],
+            mask_id,
+            generator,
+            mc_num,
+            batch_size,
+            trailing_masks=later,
+        )
+    return total
 
 
 @torch.no_grad()

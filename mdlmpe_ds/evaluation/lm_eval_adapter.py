@@ -10,6 +10,9 @@ the name is registered)::
 - ``loglikelihood`` (MMLU / ARC / HellaSwag multiple choice): the conditional Monte-Carlo ELBO
   (``likelihood.conditional_elbo``; LLaDA's estimator, ``mc_num`` rows per request, seeded per
   request). ``is_greedy`` is computed only with ``check_greedy=true`` (a full greedy decode).
+  ``likelihood_block=B`` scores the continuation as block diffusion does, block by block
+  (``likelihood.blockwise_elbo``; later blocks as masks with ``block_context=full``, left out with
+  ``blocked``).
 - ``generate_until`` (GSM8K style): ``diffusion.sampling.generate`` with the sampler options below;
   the text is cut at EOS and at the task's ``until`` strings. ``gen_length`` defaults to the task's
   ``max_gen_toks``, ``steps`` to ``gen_length``.
@@ -41,7 +44,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate, trim_at_eos
-from mdlmpe_ds.evaluation.likelihood import conditional_elbo, greedy_matches
+from mdlmpe_ds.evaluation.likelihood import blockwise_elbo, conditional_elbo, greedy_matches
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 from mdlmpe_ds.seeding import mix_seed
 
@@ -91,6 +94,7 @@ class MDLMPEEvalLM(LM):
         alg_temp: float = 0.0,
         suppress_eos: bool = False,
         cfg_scale: float = 0.0,
+        likelihood_block: int | None = None,
     ) -> None:
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,6 +120,8 @@ class MDLMPEEvalLM(LM):
         self.add_bos = (cfg.family == "dream") if add_bos is None else _bool(add_bos)
         self.max_length = int(max_length) if max_length is not None else cfg.max_seq_len
         self.seed = int(seed)
+        self.likelihood_block = None if likelihood_block is None else int(likelihood_block)
+        self.progress_desc: str | None = None  # the progress bars' label (a benchmark sets the task's)
         self.sampler = dict(
             gen_length=None if gen_length is None else int(gen_length),
             steps=None if steps is None else int(steps),
@@ -155,8 +161,15 @@ class MDLMPEEvalLM(LM):
         return self._prefix() + ctx, whole[len(ctx) :]
 
     # ------------------------------------------------------------------ requests
+    def _progress(self, total: int, kind: str, disable: bool):
+        from tqdm.auto import tqdm
+
+        desc = f"{self.progress_desc}: {kind}" if self.progress_desc else kind
+        return tqdm(total=total, desc=desc, unit="req", disable=disable or self._rank != 0, leave=False)
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         out = []
+        bar = self._progress(len(requests), "loglikelihood", disable_tqdm)
         for req in requests:
             context, continuation = req.args
             ctx, cont = self._encode_pair(context, continuation)
@@ -168,10 +181,18 @@ class MDLMPEEvalLM(LM):
                 )
             ctx = ctx[max(len(ctx) + len(cont) - self.max_length, 0) :]  # keep the context's tail
             g = torch.Generator().manual_seed(_seed_for(self.seed, context, continuation))
-            ll = conditional_elbo(self.model, ctx, cont, self.mask_id, g, self.mc_num, self.mc_batch_size)
+            if self.likelihood_block is None:
+                ll = conditional_elbo(self.model, ctx, cont, self.mask_id, g, self.mc_num, self.mc_batch_size)
+            else:
+                ll = blockwise_elbo(
+                    self.model, ctx, cont, self.mask_id, g, self.likelihood_block,
+                    self.sampler["block_context"], self.mc_num, self.mc_batch_size,
+                )  # fmt: skip
             greedy = greedy_matches(self.model, ctx, cont, self.mask_id) if self.check_greedy else False
             out.append((ll, greedy))
             self.cache_hook.add_partial("loglikelihood", req.args, (ll, greedy))
+            bar.update(1)
+        bar.close()
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -210,6 +231,7 @@ class MDLMPEEvalLM(LM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        bar = self._progress(len(requests), "generate", disable_tqdm)
         for members in groups.values():
             gen_kwargs = requests[members[0]].args[1]
             config = self._sampler_config(gen_kwargs)
@@ -231,6 +253,8 @@ class MDLMPEEvalLM(LM):
                     text = _cut_at_stop(text, until)
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(chunk))
+        bar.close()
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ data parallel (lm-eval's hooks)

@@ -96,6 +96,53 @@ def test_elbo_matches_its_expectation_by_enumeration(echo):
     assert estimate == pytest.approx(expected, rel=0.03)
 
 
+def test_blockwise_elbo_is_the_chain_of_block_conditionals(echo):
+    """Blocks of one token make every term exact: log p(x) = sum_t log p(x_t | ctx, x_<t), with the
+    later tokens present as masks (full context) or absent (blocked); one block is the plain ELBO."""
+    from mdlmpe_ds.evaluation.likelihood import blockwise_elbo
+
+    mask = echo.config.mask_token_id
+    context, target = [72, 105], [65, 66, 67]
+
+    def chain(later_as_masks: bool) -> float:
+        total = 0.0
+        with torch.no_grad():
+            for t in range(len(target)):
+                tail = [mask] * (len(target) - t - 1) if later_as_masks else []
+                ids = torch.tensor([context + target[:t] + [mask] + tail])
+                logp = torch.log_softmax(echo(ids)[0, len(context) + t].double(), -1)
+                total += logp[target[t]].item()
+        return total
+
+    for block_context, later in (("full", True), ("blocked", False)):
+        g = torch.Generator().manual_seed(0)
+        got = blockwise_elbo(echo, context, target, mask, g, 1, block_context, mc_num=2, batch_size=2)
+        assert got == pytest.approx(chain(later), abs=1e-4)
+    assert chain(True) != pytest.approx(chain(False), abs=1e-4)  # the regimes differ
+    whole = blockwise_elbo(echo, context, target, mask, torch.Generator().manual_seed(5), 8, mc_num=6)
+    plain = conditional_elbo(echo, context, target, mask, torch.Generator().manual_seed(5), mc_num=6)
+    assert whole == plain
+    with pytest.raises(ValueError, match="block_context"):
+        blockwise_elbo(echo, context, target, mask, torch.Generator(), 2, "half")
+
+
+def test_adapter_scores_likelihood_block_by_block(echo):
+    from mdlmpe_ds.evaluation.likelihood import blockwise_elbo
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM, _seed_for
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    lm = MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), mc_num=4, likelihood_block=2, block_context="blocked")
+    ((ll, _),) = lm.loglikelihood([Req("ab", " abc")])
+    g = torch.Generator().manual_seed(_seed_for(lm.seed, "ab", " abc"))
+    ctx, cont = [97, 98], [ord(c) for c in " abc"]
+    assert ll == blockwise_elbo(echo, ctx, cont, echo.config.mask_token_id, g, 2, "blocked", 4, 32)
+    ((plain, _),) = MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), mc_num=4).loglikelihood([Req("ab", " abc")])
+    assert ll != plain
+
+
 # ------------------------------------------------------------------------------------ lm-eval
 def _write_tasks(tmp_path):
     letters = "abcdefghij"
