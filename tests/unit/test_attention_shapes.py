@@ -399,3 +399,47 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     todo = [Case(**{**c, "pads": tuple(c["pads"])}) for c in json.loads(sys.stdin.read())]
     print(json.dumps({c.name: compare(c, "triton") for c in todo}))
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 255, 256, 257, 272, 300, 320, 511, 513, 1025, 1100])
+@pytest.mark.parametrize("launch", ["sm90", "sm80", "default"])
+@pytest.mark.parametrize("budget_rows", [None, 64])
+def test_phase_launches_cover_the_pair_plane_once(length, launch, budget_rows):
+    """The phase kernels' grids, replayed in Python: over every launch group of a call, each
+    (row tile, key tile) of the LP x LP plane is written exactly once (in the symmetric whole-plane
+    launch: at or right of the diagonal, or as the mirror of such a tile), and every program of the
+    backward owns its own MLP-gradient slot inside the allocated range. Any floor in a grid, a span
+    count or a slot count leaves a tile unwritten or a slot shared, whatever the lengths the
+    interpreter can afford."""
+    pytest.importorskip("triton")
+    from mdlmpe_ds.attention.triton import backend
+
+    case = Case(length, pads=(0, 0), dtype="bfloat16" if launch != "default" else "float32", launch=launch)
+    case = Case(**{**asdict(case), "budget_rows": budget_rows, "pads": (0, 0)})
+    kwargs = _launch_kwargs(case)
+    q = torch.zeros(2, 2, length, case.head_dim, dtype=getattr(torch, case.dtype))
+    config = backend.resolve_launch(q, kwargs.get("block_size"), phase_tile=kwargs.get("phase_tile"))
+    budget = _budget_bytes(case, kwargs) or backend.PAIR_BUFFER_BYTES
+    plan = backend._Plan(q, q, torch.zeros(16, case.head_dim // 2), config, 0.25, budget)
+    tile, padded = plan.phase_tile, plan.padded
+    tiles = padded // tile
+    written = torch.zeros(2, tiles, tiles, dtype=torch.int32)  # [sequence, row tile, key tile]
+    slots: list[int] = []
+    total_slots = tiles * plan.key_spans * 2
+    for s, e, r0, rows in plan.blocks(2):
+        grid = plan.phase_grid(rows, e - s)
+        symmetric = rows == padded
+        for pid_m in range(grid[0]):
+            diagonal = r0 + pid_m * tile
+            for pid_k in range(grid[1]):
+                lo, hi = pid_k * plan.key_span, min(pid_k * plan.key_span + plan.key_span, padded)
+                if symmetric:
+                    lo = max(lo, diagonal)
+                for b in range(s, e):
+                    slots.append((b * tiles + diagonal // tile) * grid[1] + pid_k)
+                    for start in range(lo, hi, tile):
+                        written[b, diagonal // tile, start // tile] += 1
+                        if symmetric and start > diagonal:
+                            written[b, start // tile, diagonal // tile] += 1
+    assert bool((written == 1).all()), f"tiles written 0 or 2+ times: {(written != 1).nonzero().tolist()[:5]}"
+    assert len(set(slots)) == len(slots) and max(slots) < total_slots
