@@ -26,47 +26,23 @@ import threading
 import time
 from pathlib import Path
 
-_reason: str | None = None
-_exit_code = 0
-_lock = threading.Lock()
-
-
-def request_stop(reason: str, exit_code: int) -> None:
-    """Ask the loop to stop after the current update (first request wins)."""
-    global _reason, _exit_code
-    with _lock:
-        if _reason is None:
-            _reason, _exit_code = reason, exit_code
-
-
-def stop_reason() -> str | None:
-    """Why this process was asked to stop, or None."""
-    return _reason
-
-
-def exit_code() -> int:
-    return _exit_code
-
-
-def reset() -> None:
-    """Forget a stop request (tests, and a process that runs several jobs)."""
-    global _reason, _exit_code
-    with _lock:
-        _reason, _exit_code = None, 0
+from mdlmpe_ds.stop_request import exit_code, request_stop, reset, stop_reason  # noqa: F401 (the API)
+from mdlmpe_ds.stop_request import phase as _phase
 
 
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    first = _reason is None
+    first = stop_reason() is None
     request_stop(f"received {name}", 128 + signum)
     if signum == signal.SIGINT:
         signal.signal(signum, signal.default_int_handler)  # Ctrl-C again: KeyboardInterrupt now
     if first:
-        print(
-            f"[pid {os.getpid()}] {name}: finishing the current update, then saving a checkpoint",
-            file=sys.stderr,
-            flush=True,
+        doing = (
+            "stopping the setup (no update trained yet: nothing to save)"
+            if _phase() == "setup"
+            else "finishing the current update, then saving (train.save_on_signal)"
         )
+        print(f"[pid {os.getpid()}] {name}: {doing}", file=sys.stderr, flush=True)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
