@@ -39,14 +39,12 @@ def export(
     adapter_only: bool = False,
 ) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine, lora
+    from mdlmpe_ds import engine, lora, weights_only
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.models.transformer import DiffusionLM
-
-    from mdlmpe_ds import weights_only
 
     # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
     model_only = weights_only.is_weights_dir(checkpoint)

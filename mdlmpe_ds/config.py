@@ -168,9 +168,9 @@ class TrainConfig:
     # A rank whose launcher died stops the same way, then exits after at most this many seconds.
     orphan_grace_s: float = 60.0
     # What a stopped run (SIGTERM/SIGINT, a lost launcher) writes after its last update: "full" (a
-    # checkpoint that resumes exactly), "model" (the model weights only, one file per rank, about
-    # a seventh of a full ZeRO-3 checkpoint with Adam in fp32: export and warm-start, not exact
-    # resume; docs/resume.md) or "none" (stop at once; resume from the last periodic checkpoint).
+    # checkpoint that resumes exactly), "model" (the model weights only, one file per rank, a sixth
+    # of a full checkpoint in bf16: exported like a checkpoint, never resumed; docs/resume.md) or
+    # "none" (stop at once; resume from the last periodic checkpoint).
     save_on_signal: str = "full"
     log_every: int = 1
     # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
@@ -384,6 +384,8 @@ def _numbers(tree: Any, prefix: str = "") -> list[tuple[str, float]]:
     if isinstance(tree, (list, tuple)):
         return [n for v in tree for n in _numbers(v, prefix)]
     return [(prefix, tree)] if isinstance(tree, float) else []
+
+
 KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 

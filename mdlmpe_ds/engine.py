@@ -397,7 +397,10 @@ def apply_optim_settings(engine, run: RunConfig, total_updates: int) -> None:
     scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
     for group in groups.values():
         group.update(
-            betas=tuple(run.optim.betas), eps=run.optim.eps, weight_decay=run.optim.weight_decay, initial_lr=run.lr
+            betas=tuple(run.optim.betas),
+            eps=run.optim.eps,
+            weight_decay=run.optim.weight_decay,
+            initial_lr=run.lr,
         )
         group["lr"] = run.lr * factor(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]

@@ -179,7 +179,9 @@ def parse_allowed(values: list[str] | None) -> set[str]:
     return out
 
 
-def check_resume_config(saved: dict[str, Any], now: dict[str, Any], allowed: set[str], checkpoint) -> list[str]:
+def check_resume_config(
+    saved: dict[str, Any], now: dict[str, Any], allowed: set[str], checkpoint
+) -> list[str]:
     """The lines to log for the changes a resume makes; raises ValueError naming every refused key
     that ``allowed`` does not force."""
     found = changes(saved, now)
@@ -194,7 +196,9 @@ def check_resume_config(saved: dict[str, Any], now: dict[str, Any], allowed: set
             f"{force if forceable else ''}"
         )
     return [
-        f"changed on resume: {c.describe()}" if c.kind != REFUSED else f"changed on resume: {c.key} "
+        f"changed on resume: {c.describe()}"
+        if c.kind != REFUSED
+        else f"changed on resume: {c.key} "
         f"{_show(c.before)} -> {_show(c.after)} (forced by --allow_config_change)"
         for c in found
     ]

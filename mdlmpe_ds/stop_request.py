@@ -48,7 +48,7 @@ def phase() -> str:
 
 
 def set_phase(name: str) -> None:
-    """"setup" until the training loop starts, then "training"."""
+    """ "setup" until the training loop starts, then "training"."""
     global _phase
     _phase = name
 

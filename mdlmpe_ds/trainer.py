@@ -189,6 +189,8 @@ class Trainer:
                 bucket_sum[b] += nll
                 bucket_cnt[b] += count
         applied = bool(self.engine.was_step_applied())
+        if update == self.faults.stop_in_update:
+            lifecycle.request_stop("received SIGTERM (test fault)", 128 + signal.SIGTERM)
         # The stop flag rides on the update's own all-reduce, so every rank sees the same sum and
         # stops after the same update, wherever its signal arrived.
         stop = 1.0 if lifecycle.stop_reason() is not None else 0.0
@@ -389,6 +391,7 @@ class Trainer:
 
     def _save(self) -> Path:
         t = self.run.train
+        start = time.perf_counter()
         final = ckpt.step_dir(t.output_dir, self.state.step)
         staging = ckpt.staging_dir(t.output_dir, self.state.step)
         if self.rank == 0:
@@ -430,7 +433,10 @@ class Trainer:
                 self.tracker.print(f"removed old checkpoint {gone}")
         eng.barrier()
         self.last_good = final
-        self.tracker.print(f"saved checkpoint {final}")
+        if self.rank == 0:  # the save's cost, for sizing preemption grace (docs/resume.md)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            took = time.perf_counter() - start
+            self.tracker.print(f"saved checkpoint {final} ({size / 2**20:.1f} MiB in {took:.2f} s)")
         return final
 
     def save_weights(self) -> Path:

@@ -1,10 +1,10 @@
 """A fast model-only save for a run that is being stopped (``train.save_on_signal model``).
 
-A full ZeRO-3 checkpoint holds, per parameter, the bf16 weight, the fp32 master copy and Adam's two
-fp32 moments: 14 bytes, about 112 GB for an 8B model (docs/resume.md). Preemption leaves 30 s
-before the launcher's SIGKILL. This save writes only each rank's own partition of every parameter
-in the parameter dtype (2 bytes per parameter in bf16, 1/7 of the full checkpoint), every rank in
-parallel, with no gather:
+A full ZeRO-3 checkpoint holds, per parameter, the fp32 master copy and Adam's two fp32 moments:
+12 bytes, about 96 GB for an 8B model (docs/resume.md). Preemption leaves 30 s before the
+launcher's SIGKILL. This save writes only each rank's own partition of every parameter in the
+parameter dtype (2 bytes per parameter in bf16, a sixth of the full checkpoint; 4 in fp32, a
+third), every rank in parallel, with no gather:
 
     output_dir/weights/step_000123/
         weights_rank{r}.pt    {name: this rank's flat partition}
@@ -54,9 +54,7 @@ def save_partitions(module: torch.nn.Module, directory: Path, rank: int) -> None
 
 def write_marker(module: torch.nn.Module, directory: Path, world: int) -> None:
     """Rank 0, after every rank's file is written: the shapes, which make the directory complete."""
-    shapes = {
-        name: list(getattr(p, "ds_shape", None) or p.shape) for name, p in module.named_parameters()
-    }
+    shapes = {name: list(getattr(p, "ds_shape", None) or p.shape) for name, p in module.named_parameters()}
     tmp = directory / (MARKER + ".tmp")
     tmp.write_text(json.dumps({"world_size": world, "shapes": shapes}))
     os.replace(tmp, directory / MARKER)

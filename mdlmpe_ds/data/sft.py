@@ -41,8 +41,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
 from mdlmpe_ds import stop_request
+from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
 from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)

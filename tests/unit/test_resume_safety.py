@@ -72,7 +72,7 @@ def test_a_missing_manifest_is_damage_unless_the_checkpoint_predates_manifests(t
     path = save(tmp_path, 2)
     (path / ckpt.MANIFEST).unlink()
     assert any("MANIFEST.json is missing" in p for p in ckpt.verify(path))
-    with pytest.raises(FileNotFoundError, match="MANIFEST.json is missing"):
+    with pytest.raises(FileNotFoundError, match=r"MANIFEST\.json is missing"):
         ckpt.resolve_resume("auto", tmp_path, log=lambda _: None)
     meta = json.loads((path / "config.json").read_text())
     del meta["format"]  # as versions before manifests wrote it
@@ -165,8 +165,9 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", torch_writer)
     Usage = type("Usage", (), {"free": 1024})
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: Usage())
-    with pytest.raises(OSError, match="No space left on device while saving checkpoint"), ckpt.disk_full_named(
-        final, None
+    with (
+        pytest.raises(OSError, match="No space left on device while saving checkpoint"),
+        ckpt.disk_full_named(final, None),
     ):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
     Usage.free = 10 * 2**30  # plenty of space: another failure, passed on as it is
@@ -200,8 +201,11 @@ def test_a_stop_request_ends_sft_tokenising(tmp_path):
 def test_ctrl_c_while_tokenising_stops_promptly(tmp_path):
     """A real SIGINT to a process tokenising a large chat file (a few seconds of work): it stops at
     once with 130 and says that nothing was trained, instead of tokenising on."""
-    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
-                          {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(40000)]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i} " * 20},
+                      {"role": "assistant", "content": f"answer {i} " * 40}]}
+        for i in range(40000)
+    ]  # fmt: skip
     chat = tmp_path / "big.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = textwrap.dedent(
