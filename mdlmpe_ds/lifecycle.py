@@ -3,18 +3,20 @@
 - **SIGTERM / SIGINT** (a cluster preemption, Ctrl-C, the `deepspeed` launcher terminating its
   children): a signal only sets a stop request. The trainer reads it at the end of the current
   update, inside the all-reduce it already does, so every rank agrees on the same last update; it
-  saves a checkpoint there and the process exits with 128 + the signal number (143, 130), which
-  `--resume auto` continues from. Repeated SIGTERMs are expected (the deepspeed launcher, torchrun
-  and a scheduler each pass one on) and change nothing; the launchers escalate to SIGKILL after
-  their own grace period (30 s for both). A second SIGINT (Ctrl-C twice) stops at once.
+  saves there what train.save_on_signal asks for and the process exits with 128 + the signal
+  number (143, 130), which `--resume auto` continues from. Before the first update (data setup)
+  the request is polled while tokenising and the process stops at once: nothing to save.
+  Repeated SIGTERMs are expected (the deepspeed launcher, torchrun and a scheduler each pass one
+  on) and change nothing; the launchers escalate to SIGKILL after their own grace period (30 s
+  for both, docs/resume.md). A second SIGINT (Ctrl-C twice) stops at once.
 - **The launcher died** (`kill -9` of the launcher's process group: torchrun starts its workers in
   sessions of their own, so they survive it and would train on as orphans): a watchdog thread
   notices that one of the Python processes above this one has exited, requests the same stop, and
   ends the process after ``grace_s`` seconds whatever happens (a peer may be gone and the
   checkpoint's collectives never finish).
 
-The state is per process (signal handlers are), so it lives in this module: `install` once in a
-worker, `stop_reason` from the loop.
+The state is per process (signal handlers are); it lives in ``stop_request`` (a bottom utility
+that the data modules can poll): `install` once in a worker, `stop_reason` from the loop.
 """
 
 from __future__ import annotations

@@ -9,10 +9,24 @@ The runs start from the shared straight run's checkpoints (tests/dist/conftest.p
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
+from pathlib import Path
 
 import pytest
-from sft_runs import BASE_ARGS, check, launch, launch_module, metrics, tensorboard_steps
+from sft_runs import (
+    BASE_ARGS,
+    alive,
+    check,
+    descendants,
+    launch,
+    launch_module,
+    metrics,
+    start_as_user,
+    tensorboard_steps,
+)
 
 from mdlmpe_ds import checkpoint as ckpt
 
@@ -40,7 +54,9 @@ def test_resume_applies_a_new_lr_and_refuses_a_new_corruption(sft_straight, sft_
     args = [*sft_data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"]
     history = (out / "metrics.jsonl").read_text()
     refused = launch([*args, "--corruption", "spans"])
-    assert refused.returncode != 0 and "train.corruption: iid -> spans" in refused.stderr, refused.stderr[-3000:]
+    assert refused.returncode != 0 and "train.corruption: iid -> spans" in refused.stderr, refused.stderr[
+        -3000:
+    ]
     assert "--allow_config_change train.corruption" in refused.stderr
     assert (out / "metrics.jsonl").read_text() == history  # nothing trained
 
@@ -74,7 +90,9 @@ def test_resume_auto_with_every_checkpoint_damaged_refuses_and_keeps_the_history
     events = {p.name: p.stat().st_size for p in (out / "tensorboard").iterdir()}
     proc = launch([*sft_data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"])
     assert proc.returncode != 0, proc.stdout[-3000:]
-    assert "none can be resumed from" in proc.stderr and "Not starting over" in proc.stderr, proc.stderr[-3000:]
+    assert "none can be resumed from" in proc.stderr and "Not starting over" in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert all(str(shard) in proc.stderr for shard in shards)
     assert (out / "metrics.jsonl").read_text() == history
     assert {p.name: p.stat().st_size for p in (out / "tensorboard").iterdir()} == events
@@ -117,3 +135,74 @@ def test_save_on_signal_model_writes_the_trained_weights(sft_straight, sft_data,
         assert state[name].reshape(tensor.shape).equal(tensor), name
     exported = launch_module("export").export(str(weights), str(tmp_path / "export"))
     assert (exported / "config.json").is_file()
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has a SIGTERM handler installed (lifecycle.install ran)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(status.split("SigCgt:")[1].split()[0], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_sigterm_during_data_setup_stops_the_job_promptly(sft_data, tmp_path):
+    """The README's command tokenising a large chat file: SIGTERM to the job (a preemption) ends
+    every process within seconds, with the reason, instead of tokenising on until the launcher's
+    SIGKILL 30 s later."""
+    rows = [
+        {"messages": [{"role": "user", "content": "what is the answer " * 10},
+                      {"role": "assistant", "content": f"the answer is {i} " * 20}]}
+        for i in range(150000)
+    ]  # fmt: skip
+    chat = tmp_path / "large.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "setup_stop"
+    log = tmp_path / "setup_stop.log"
+    tokenizer = sft_data[sft_data.index("--tokenizer") : sft_data.index("--tokenizer") + 2]
+    proc = start_as_user([*tokenizer, "--dataset", str(chat), *BASE_ARGS, "--output_dir", str(out)], log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # both ranks have their signal handlers: setup has begun
+            ranks = [p for p in descendants(proc.pid) if _is_worker(p) and _catches_sigterm(p)]
+            if len(ranks) >= 2 or time.monotonic() > deadline or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(ranks) >= 2, log.read_text()[-3000:]
+        time.sleep(3.0)  # into the tokenising (150k rows take far longer)
+        job = descendants(proc.pid)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        while alive(job) and time.monotonic() - sent < 60:
+            time.sleep(0.1)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc != 0 and not alive(job), text[-3000:]
+    assert f"stopped while tokenising {chat}" in text and "nothing to save" in text, text[-3000:]
+    assert took < 20, (took, text[-3000:])  # the launchers' SIGKILL comes at 30 s
+    assert not (out / "checkpoints").exists()
+
+
+def _is_worker(pid: int) -> bool:
+    """A training rank under torchrun (not the re-launching rank above it, nor torchrun)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    cmd = _cmd(pid)
+    return (
+        "launch/sft.py" in cmd and "torch.distributed.run" not in cmd and b"MDLMPE_DS_CPU_RANKS=1" in environ
+    )
+
+
+def _cmd(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace").replace("\0", " ")
+    except OSError:
+        return ""
