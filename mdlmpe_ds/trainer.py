@@ -252,6 +252,8 @@ class Trainer:
                 metrics.update(
                     self.task.periodic_metrics(self.engine, step, self.total_updates, self.tracker.print)
                 )
+                # a stop that arrived during the validation: save now, not after one more update
+                self.stop_requested = self.stop_requested or self.task.evaluation_stopped
                 self.tracker.scalars(step, metrics)
                 history.append(
                     {

@@ -244,3 +244,37 @@ def test_ctrl_c_while_tokenising_stops_promptly(tmp_path):
     assert "stopped after" in out and "nothing to save" in out and took < 10, (took, out)
     assert "stopping the setup (no update trained yet: nothing to save)" in err
     assert "finishing the current update" not in err
+
+
+def test_a_stop_request_abandons_a_pretraining_validation():
+    """A SIGTERM during a long validation: the next forward sees it (agreed over the ranks), the
+    validation is abandoned and the task tells the trainer to save now."""
+    import torch
+
+    from mdlmpe_ds.config import TrainConfig
+    from mdlmpe_ds.tasks.pretrain import PretrainTask
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.head = 0, torch.nn.Linear(1, 16)
+
+        def forward(self, ids, valid=None):
+            self.calls += 1
+            return torch.zeros(*ids.shape, 16)  # [B, L, V]
+
+    config = type("Config", (), {"family": "llada", "mask_token_id": 15})()
+    windows = [{"input_ids": torch.arange(8).reshape(1, 8) % 15, "valid": torch.ones(1, 8, dtype=torch.bool)}]
+    task = PretrainTask(TrainConfig(eval_samples=2), config, validation=windows * 4)
+    said, model = [], Model()
+    assert "val/ppl" in task.periodic_metrics(model, 10, 10, said.append) and not task.evaluation_stopped
+    assert model.calls == 8  # 4 windows x 2 draws
+    stop_request.reset()
+    stop_request.set_phase("training")
+    stop_request.request_stop("received SIGTERM", 143)
+    try:
+        assert task.periodic_metrics(model, 10, 10, said.append) == {}
+        assert task.evaluation_stopped and model.calls == 8  # no forward after the request
+        assert said[-1] == "update 10: validation abandoned (received SIGTERM)"
+    finally:
+        stop_request.reset()
