@@ -39,17 +39,19 @@ def export(
     adapter_only: bool = False,
 ) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine, lora
+    from mdlmpe_ds import engine, lora, weights_only
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.models.transformer import DiffusionLM
 
-    step_dir = ckpt.resolve_checkpoint(checkpoint)
+    # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
+    model_only = weights_only.is_weights_dir(checkpoint)
+    step_dir = Path(checkpoint) if model_only else ckpt.resolve_checkpoint(checkpoint)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
-    state = engine.fp32_state_dict_from_checkpoint(step_dir)
+    state = weights_only.load(step_dir) if model_only else engine.fp32_state_dict_from_checkpoint(step_dir)
     spec = lora.spec_of(saved.run_config)
     if spec is None and adapter_only:
         raise ValueError(f"{step_dir} is a full fine-tune checkpoint: --adapter-only needs a LoRA run")

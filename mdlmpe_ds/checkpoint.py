@@ -23,6 +23,8 @@ keep-last-k deletes older checkpoints only after the new one is complete, and ne
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -30,6 +32,7 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,9 @@ REPLACED = ".replaced"  # suffix of an older copy of the same step while the new
 SUPERSEDED = "superseded"
 DS_TAG = "ds"
 DS_UNIVERSAL_TAG = "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.engine to-universal)
+# config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
+# damage); checkpoints without the key were written before manifests existed.
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -101,11 +107,33 @@ def newest_verified(output_dir: str | Path, log=print) -> Path | None:
     return None
 
 
+def unusable_reasons(output_dir: str | Path) -> list[str]:
+    """Each checkpoint directory of ``output_dir`` with why it cannot be resumed from (when none
+    can): the error of ``--resume auto``, which must not start over silently."""
+    out = []
+    for path in existing_run(output_dir):
+        if not is_complete(path):
+            out.append(f"{path}: no {COMPLETE} marker (an interrupted save)")
+        else:
+            out.append(f"{path}: " + ("; ".join(verify(path)) or "unreadable"))
+    return out
+
+
 def resolve_checkpoint(path: str | Path, log=print) -> Path:
     """A step directory, a `latest` file, a checkpoints/ root or an output_dir -> a complete step
     directory whose files match its manifest (an output_dir: the newest such; damaged ones on the
     way are reported through ``log`` and skipped). The one resolver of resume, export and evaluation."""
     path = Path(path)
+    if path.parent.name == SUPERSEDED and path.is_dir():
+        root = path.parent.parent
+        name = path.name.split("-")[0]
+        raise ValueError(
+            f"{path} is a superseded checkpoint: the continuation that was set aside when this run "
+            f"resumed from an older checkpoint, which --resume never picks. To continue from it, move "
+            f"the newer checkpoints of {root} aside and it back in place (mv {path} {root / name}), "
+            f"then --resume {root / name}; to use its weights only, export it with "
+            f"launch/export.py after moving it back"
+        )
     if path.is_file() and path.name == LATEST:
         path = path.parent / path.read_text().strip()
     elif path.is_dir() and not _STEP_DIR.match(path.name):
@@ -129,7 +157,16 @@ def resolve_resume(resume: str | None, output_dir: str | Path, log=print) -> Pat
     if resume is None:
         return None
     if resume == "auto":
-        return newest_verified(output_dir, log)
+        found = newest_verified(output_dir, log)
+        if found is None and existing_run(output_dir):
+            raise FileNotFoundError(
+                f"--resume auto: {output_dir} holds checkpoints but none can be resumed from:\n  "
+                + "\n  ".join(unusable_reasons(output_dir))
+                + "\nNot starting over (that would replace them and the run's history). Repair or "
+                "move them, resume one by path (--resume DIR), or start a new run with another "
+                "--output_dir (or --overwrite_output_dir true without --resume, which deletes them)"
+            )
+        return found
     try:
         return resolve_checkpoint(resume, log)
     except (FileNotFoundError, ValueError) as err:
@@ -199,6 +236,8 @@ def verify(path: Path) -> list[str]:
     written before manifests existed has none and passes."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
+        if _format_of(path) >= FORMAT:
+            return [f"{manifest_file} is missing (this version always writes it: the checkpoint is damaged)"]
         return []
     try:
         manifest = json.loads(manifest_file.read_text())["files"]
@@ -218,6 +257,14 @@ def verify(path: Path) -> list[str]:
     return problems
 
 
+def _format_of(path: Path) -> int:
+    """config.json's checkpoint format (0: written before it was recorded, or unreadable)."""
+    try:
+        return int(json.loads((path / "config.json").read_text()).get("format", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def finalize(staging: Path, final: Path) -> None:
     """Rank 0, after every rank's files are written and fsync'd (barrier): manifest, COMPLETE, then
     the atomic swap of ``staging`` into ``final`` and `latest`."""
@@ -233,6 +280,38 @@ def finalize(staging: Path, final: Path) -> None:
     if replaced.exists():
         shutil.rmtree(replaced)
     _fsync_write(final.parent / LATEST, f"{final.name}\n")
+
+
+@contextlib.contextmanager
+def disk_full_named(final: Path, last_good: Path | None) -> Iterator[None]:
+    """Turn a full disk during a save into one error that says so and names the checkpoint: torch's
+    writer reports it as "PytorchStreamWriter failed writing file ...: file write failed", without
+    the errno, so that case is decided by the free space left."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if not _out_of_space(err, final.parent):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device while saving checkpoint {final} "
+            f"({shutil.disk_usage(final.parent).free / 2**20:.0f} MiB free there): the partial save is "
+            f"removed at the next start; free space or move --output_dir, then --resume auto continues "
+            f"from {last_good or 'the start'}",
+        ) from err
+
+
+def _out_of_space(err: BaseException, where: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(err):
+        return True
+    if "file write failed" in str(err) or "inline_container" in str(err):
+        try:
+            return shutil.disk_usage(where).free < 64 * 2**20
+        except OSError:
+            return False
+    return False
 
 
 def recover_interrupted(output_dir: str | Path) -> list[str]:
@@ -429,6 +508,7 @@ def write_meta(
     data_fingerprint: str | None = None,
 ) -> None:
     meta = {
+        "format": FORMAT,
         "step": step,
         "world_size": world,
         "run_config": run_config,

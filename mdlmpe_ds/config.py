@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -33,6 +34,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 MULTITURN = ("last", "expand", "sample")  # sample: LLaDA's one turn per dialogue (App. B.1)
 PERBATCH_CUTOFFS = ("none", "random", "random_with_input_pad")
 TEXT_SPLITS = ("file", "paragraph", "line")
+SAVE_ON_SIGNAL = ("full", "model", "none")
 
 
 @dataclass
@@ -165,6 +167,11 @@ class TrainConfig:
     # SIGTERM/SIGINT (a preemption): finish the update, save a checkpoint, exit with code 143/130.
     # A rank whose launcher died stops the same way, then exits after at most this many seconds.
     orphan_grace_s: float = 60.0
+    # What a stopped run (SIGTERM/SIGINT, a lost launcher) writes after its last update: "full" (a
+    # checkpoint that resumes exactly), "model" (the model weights only, one file per rank, a sixth
+    # of a full checkpoint in bf16: exported like a checkpoint, never resumed; docs/resume.md) or
+    # "none" (stop at once; resume from the last periodic checkpoint).
+    save_on_signal: str = "full"
     log_every: int = 1
     # Loss family: "auto" follows the model family (LLaDA: 1/p weighted, answer-length normalised;
     # Dream: 1/t / CART weighting normalised by masked-token count).
@@ -213,6 +220,9 @@ class RunConfig:
         def bad(key: str, value: Any, why: str) -> ValueError:
             return ValueError(f"training config: {key}={value!r} {why}")
 
+        for key, value in _numbers(self.to_dict()):
+            if not math.isfinite(value):
+                raise bad(key, value, "must be a finite number")
         if m.position_encoding not in POSITION_ENCODINGS:
             raise bad("model.position_encoding", m.position_encoding, f"must be one of {POSITION_ENCODINGS}")
         if m.model_name_or_path is not None and not Path(m.model_name_or_path).is_dir():
@@ -300,6 +310,8 @@ class RunConfig:
             raise bad("train.corruption", t.corruption, "must be one of ('iid', 'semi_ar', 'spans', 'mix')")
         if t.max_consecutive_nonfinite < 1:
             raise bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
+        if t.save_on_signal not in SAVE_ON_SIGNAL:
+            raise bad("train.save_on_signal", t.save_on_signal, f"must be one of {SAVE_ON_SIGNAL}")
         if t.precision not in PRECISIONS:
             raise bad("train.precision", t.precision, f"must be one of {PRECISIONS}")
         if not t.dist_timeout_min > 0:
@@ -363,6 +375,17 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "optim", "train", "attention")
+
+
+def _numbers(tree: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every float of a nested config dict (tuples included) with its dotted key."""
+    if isinstance(tree, dict):
+        return [n for k, v in tree.items() for n in _numbers(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(tree, (list, tuple)):
+        return [n for v in tree for n in _numbers(v, prefix)]
+    return [(prefix, tree)] if isinstance(tree, float) else []
+
+
 KEY_ALIASES = {"dataset_split": "data.split"}  # the spelling of the issue tracker / HF scripts
 
 

@@ -364,9 +364,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig
     `last_epoch` is in DeepSpeed's checkpoint, so resume continues the exact lr.
     """
     deepspeed = _deepspeed()
-    factor = warmup_cosine(
-        run.warmup_updates(total_updates), total_updates, run.optim.cosine, run.optim.min_lr_ratio
-    )
+    factor = _lr_factor(run, total_updates)
 
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -378,6 +376,34 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig
         lr_scheduler=scheduler,
     )
     return engine
+
+
+def _lr_factor(run: RunConfig, total_updates: int) -> Callable[[int], float]:
+    return warmup_cosine(
+        run.warmup_updates(total_updates), total_updates, run.optim.cosine, run.optim.min_lr_ratio
+    )
+
+
+def apply_optim_settings(engine, run: RunConfig, total_updates: int) -> None:
+    """After ``load_checkpoint``: DeepSpeed has restored the optimizer's param groups (lr, betas,
+    eps, weight decay) and the LambdaLR's base lrs as they were saved, so a resume with a new
+    optim.lr or schedule would silently continue the old one. Write this run's values back: the
+    base lr, the schedule (warmup, cosine, floor, total) and the lr of the resumed update, computed
+    as LambdaLR does (``base * factor(last_epoch)``), so unchanged settings give the same numbers."""
+    scheduler = engine.lr_scheduler
+    factor = _lr_factor(run, total_updates)
+    groups = {id(g): g for opt in (scheduler.optimizer, engine.optimizer) for g in opt.param_groups}
+    scheduler.base_lrs = [run.lr] * len(scheduler.optimizer.param_groups)
+    scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
+    for group in groups.values():
+        group.update(
+            betas=tuple(run.optim.betas),
+            eps=run.optim.eps,
+            weight_decay=run.optim.weight_decay,
+            initial_lr=run.lr,
+        )
+        group["lr"] = run.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:

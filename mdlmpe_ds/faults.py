@@ -18,13 +18,16 @@ class Faults:
     ``pause_in_save``: the update at whose save rank 0 waits ``pause_s`` at that same point, so a
     test can kill the whole job from outside while the save is under way.
     ``probe_logits``: after training, rank 0 saves the engine's logits on the first examples there
-    (export parity)."""
+    (export parity).
+    ``stop_in_update``: the update (0-based) during which every rank requests a stop, as a SIGTERM
+    would (exit 143)."""
 
     nan_updates: frozenset[int] = field(default_factory=frozenset)
     kill_in_save: int | None = None
     pause_in_save: int | None = None
     pause_s: float = 60.0
     probe_logits: Path | None = None
+    stop_in_update: int | None = None
 
 
 NO_FAULTS = Faults()

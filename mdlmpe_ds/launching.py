@@ -60,6 +60,15 @@ def base_parser(description: str, epilog: str | None = None) -> argparse.Argumen
     parser.add_argument("--config", default=None, help="training config file (.json/.yaml)")
     parser.add_argument("--dry-run", "--dry_run", action="store_true", dest="dry_run")
     parser.add_argument("--resume", default=None, help="'auto' or a checkpoint directory")
+    parser.add_argument(
+        "--allow_config_change",
+        "--allow-config-change",
+        action="append",
+        default=[],
+        metavar="KEY[,KEY...]",
+        help="on resume, continue although KEY differs from the checkpoint's run config where "
+        "docs/resume.md refuses the change (repeatable)",
+    )
     return parser
 
 
@@ -153,7 +162,8 @@ def run_job(job, run, args, report) -> int:
     distributed session with ``report(summary)`` on rank 0. Exit code 3 when the run stopped on
     too many non-finite updates (the message names the last good checkpoint); 128 + the signal
     number when a SIGTERM/SIGINT or a lost launcher stopped it after a checkpoint (lifecycle.py)."""
-    from mdlmpe_ds import engine, lifecycle
+    from mdlmpe_ds import engine, lifecycle, run_lock
+    from mdlmpe_ds.stop_request import StoppedDuringSetup
     from mdlmpe_ds.trainer import NonFiniteError, Stopped
 
     if args.dry_run:
@@ -161,7 +171,7 @@ def run_job(job, run, args, report) -> int:
         saved = os.environ.get("WORLD_SIZE")
         os.environ["WORLD_SIZE"] = str(dry_run_world_size())
         try:
-            job(run, args.deepspeed, resume=args.resume, dry_run=True)
+            job(run, args.deepspeed, resume=args.resume, dry_run=True, allow_changes=args.allow_config_change)
         finally:
             if saved is None:
                 del os.environ["WORLD_SIZE"]
@@ -171,14 +181,16 @@ def run_job(job, run, args, report) -> int:
     lifecycle.install(run.train.orphan_grace_s)
     with engine.distributed_session(run.train.dist_timeout_min, run.train.setup_timeout_min):
         try:
-            summary = job(run, args.deepspeed, resume=args.resume)
+            summary = job(run, args.deepspeed, resume=args.resume, allow_changes=args.allow_config_change)
         except NonFiniteError as err:
             print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
             return 3
-        except Stopped as err:
+        except (Stopped, StoppedDuringSetup) as err:
             if engine.rank() == 0:
                 print(f"[rank 0] {err}", file=sys.stderr, flush=True)
             return err.exit_code
+        finally:
+            run_lock.release()
         if engine.rank() == 0:
             report(summary)
     return 0

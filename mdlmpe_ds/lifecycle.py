@@ -3,18 +3,20 @@
 - **SIGTERM / SIGINT** (a cluster preemption, Ctrl-C, the `deepspeed` launcher terminating its
   children): a signal only sets a stop request. The trainer reads it at the end of the current
   update, inside the all-reduce it already does, so every rank agrees on the same last update; it
-  saves a checkpoint there and the process exits with 128 + the signal number (143, 130), which
-  `--resume auto` continues from. Repeated SIGTERMs are expected (the deepspeed launcher, torchrun
-  and a scheduler each pass one on) and change nothing; the launchers escalate to SIGKILL after
-  their own grace period (30 s for both). A second SIGINT (Ctrl-C twice) stops at once.
+  saves there what train.save_on_signal asks for and the process exits with 128 + the signal
+  number (143, 130), which `--resume auto` continues from. Before the first update (data setup)
+  the request is polled while tokenising and the process stops at once: nothing to save.
+  Repeated SIGTERMs are expected (the deepspeed launcher, torchrun and a scheduler each pass one
+  on) and change nothing; the launchers escalate to SIGKILL after their own grace period (30 s
+  for both, docs/resume.md). A second SIGINT (Ctrl-C twice) stops at once.
 - **The launcher died** (`kill -9` of the launcher's process group: torchrun starts its workers in
   sessions of their own, so they survive it and would train on as orphans): a watchdog thread
   notices that one of the Python processes above this one has exited, requests the same stop, and
   ends the process after ``grace_s`` seconds whatever happens (a peer may be gone and the
   checkpoint's collectives never finish).
 
-The state is per process (signal handlers are), so it lives in this module: `install` once in a
-worker, `stop_reason` from the loop.
+The state is per process (signal handlers are); it lives in ``stop_request`` (a bottom utility
+that the data modules can poll): `install` once in a worker, `stop_reason` from the loop.
 """
 
 from __future__ import annotations
@@ -26,47 +28,23 @@ import threading
 import time
 from pathlib import Path
 
-_reason: str | None = None
-_exit_code = 0
-_lock = threading.Lock()
-
-
-def request_stop(reason: str, exit_code: int) -> None:
-    """Ask the loop to stop after the current update (first request wins)."""
-    global _reason, _exit_code
-    with _lock:
-        if _reason is None:
-            _reason, _exit_code = reason, exit_code
-
-
-def stop_reason() -> str | None:
-    """Why this process was asked to stop, or None."""
-    return _reason
-
-
-def exit_code() -> int:
-    return _exit_code
-
-
-def reset() -> None:
-    """Forget a stop request (tests, and a process that runs several jobs)."""
-    global _reason, _exit_code
-    with _lock:
-        _reason, _exit_code = None, 0
+from mdlmpe_ds.stop_request import exit_code, request_stop, reset, stop_reason  # noqa: F401 (the API)
+from mdlmpe_ds.stop_request import phase as _phase
 
 
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    first = _reason is None
+    first = stop_reason() is None
     request_stop(f"received {name}", 128 + signum)
     if signum == signal.SIGINT:
         signal.signal(signum, signal.default_int_handler)  # Ctrl-C again: KeyboardInterrupt now
     if first:
-        print(
-            f"[pid {os.getpid()}] {name}: finishing the current update, then saving a checkpoint",
-            file=sys.stderr,
-            flush=True,
+        doing = (
+            "stopping the setup (no update trained yet: nothing to save)"
+            if _phase() == "setup"
+            else "finishing the current update, then saving (train.save_on_signal)"
         )
+        print(f"[pid {os.getpid()}] {name}: {doing}", file=sys.stderr, flush=True)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

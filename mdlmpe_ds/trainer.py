@@ -9,6 +9,12 @@ for SFT and pretraining. One optimizer update n (0-based) is:
      gradient norm makes ZeRO-3 skip the update (and the lr scheduler) on every rank alike; we count
      it, and stop after `max_consecutive_nonfinite` in a row, pointing at the last good checkpoint.
 
+Non-finite is never saved as good: a checkpoint is written only after an update whose loss and
+gradient norm were finite (a flag every rank already agrees on, not a scan of the weights). A save
+due at a non-finite update waits for the next finite one; a run whose last update was non-finite
+writes no final checkpoint and exits non-zero (NonFiniteError). So every checkpoint this loop
+writes is a finite one, and keep-last pruning, which runs only after such a save, keeps it.
+
 Everything that decides the next batch and the next noise draw -- engine state (DeepSpeed), sampler
 position, counters, RNG states -- is in every checkpoint, so a resumed run repeats the straight run's
 losses, lr and gradient norms bit for bit, in fp32 and in bf16 (tests/dist/test_sft_resume.py), given
@@ -32,7 +38,7 @@ from typing import Any
 import torch
 
 from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import collectives, lifecycle, lora
+from mdlmpe_ds import collectives, lifecycle, lora, stop_request
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.faults import NO_FAULTS, Faults
@@ -139,6 +145,7 @@ class Trainer:
         self.state = TrainerState()
         self.uses_mdlmpe = model_config.position_encoding == "mdlmpe"
         self.last_good: Path | None = None
+        self.save_pending = False  # a save fell on a non-finite update: write it after the next finite one
         if resume_from is not None:
             self._resume(resume_from)
         self.tracker = make_tracker(self.rank, run.train.output_dir, total_updates, self.state.step)
@@ -182,6 +189,8 @@ class Trainer:
                 bucket_sum[b] += nll
                 bucket_cnt[b] += count
         applied = bool(self.engine.was_step_applied())
+        if update == self.faults.stop_in_update:
+            lifecycle.request_stop("received SIGTERM (test fault)", 128 + signal.SIGTERM)
         # The stop flag rides on the update's own all-reduce, so every rank sees the same sum and
         # stops after the same update, wherever its signal arrived.
         stop = 1.0 if lifecycle.stop_reason() is not None else 0.0
@@ -225,6 +234,8 @@ class Trainer:
         """Run to total_updates; returns a summary (per-update losses, lrs, fractions, paths)."""
         t = self.run.train
         history: list[dict[str, float]] = []
+        stop_request.poll("setting up (before the first update)")
+        stop_request.set_phase("training")
         batches = self.task.batches()
         self.engine.train()
         try:
@@ -241,6 +252,8 @@ class Trainer:
                 metrics.update(
                     self.task.periodic_metrics(self.engine, step, self.total_updates, self.tracker.print)
                 )
+                # a stop that arrived during the validation: save now, not after one more update
+                self.stop_requested = self.stop_requested or self.task.evaluation_stopped
                 self.tracker.scalars(step, metrics)
                 history.append(
                     {
@@ -264,25 +277,32 @@ class Trainer:
                         f"update {step}: non-finite loss/gradient, update skipped "
                         f"({self.state.nonfinite_consecutive} in a row, {self.state.nonfinite_total} total)"
                     )
+                finite = self.state.nonfinite_consecutive == 0
                 if self.state.nonfinite_consecutive >= t.max_consecutive_nonfinite:
-                    where = self.last_good or ckpt.newest_complete(t.output_dir)
                     raise NonFiniteError(
                         f"{self.state.nonfinite_consecutive} consecutive non-finite updates (limit "
                         f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite}) at update {step}; "
-                        f"last good checkpoint: {where or 'none saved yet'}. "
-                        "Lower optim.lr or check the data, "
-                        f"then resume with --resume {where or 'auto'}"
+                        + self._last_good_advice()
                     )
                 stopping = t.stop_at is not None and step >= t.stop_at
-                if step % t.save_every == 0 or step == self.total_updates or stopping or self.stop_requested:
-                    self.save()
-                if self.stop_requested:
-                    reason = lifecycle.stop_reason() or "another rank was asked to stop"
-                    raise Stopped(
-                        f"stopped after update {step} ({reason}); checkpoint {self.last_good} is "
-                        f"complete: continue with --resume auto",
-                        lifecycle.exit_code() or 128 + signal.SIGTERM,
+                end = step == self.total_updates or stopping
+                if not finite and (end or self.stop_requested):
+                    self.save_pending = False
+                    raise NonFiniteError(
+                        f"the last update ({step}) was non-finite: no checkpoint written from it; "
+                        + self._last_good_advice()
                     )
+                due = step % t.save_every == 0 or end or self.save_pending
+                if due and not finite:
+                    self.save_pending = True
+                    self.tracker.print(
+                        f"update {step} was non-finite: its checkpoint waits for the next finite update"
+                    )
+                elif self.stop_requested:
+                    self._save_on_stop(step)
+                elif due:
+                    self.save()
+                    self.save_pending = False
                 if stopping:
                     self.tracker.print(
                         f"stopping at update {step} (train.stop_at); resume with --resume auto"
@@ -328,12 +348,52 @@ class Trainer:
                 path,
             )
 
+    def _last_good_advice(self) -> str:
+        where = self.last_good or ckpt.newest_complete(self.run.train.output_dir)
+        return (
+            f"last good checkpoint: {where or 'none saved yet'}. Lower optim.lr or check the data, "
+            f"then resume with --resume {where or 'auto'}"
+        )
+
+    def _save_on_stop(self, step: int) -> None:
+        """A signal or a lost launcher stopped the run after a finite update: write what
+        train.save_on_signal asks for, then raise Stopped (exit 128 + the signal number)."""
+        choice = self.run.train.save_on_signal
+        reason = lifecycle.stop_reason() or "another rank was asked to stop"
+        code = lifecycle.exit_code() or 128 + signal.SIGTERM
+        if choice == "full":
+            self.save()
+            raise Stopped(
+                f"stopped after update {step} ({reason}); checkpoint {self.last_good} is complete: "
+                f"continue with --resume auto",
+                code,
+            )
+        if choice == "model":
+            weights = self.save_weights()
+            raise Stopped(
+                f"stopped after update {step} ({reason}); model weights only in {weights} "
+                f"(train.save_on_signal model: export them with python launch/export.py {weights} DIR); "
+                f"--resume auto continues from the last full checkpoint, {self.last_good or 'none yet'}",
+                code,
+            )
+        raise Stopped(
+            f"stopped after update {step} ({reason}); nothing saved (train.save_on_signal none): "
+            f"--resume auto continues from the last checkpoint, {self.last_good or 'none yet'}",
+            code,
+        )
+
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
         """Everything into ``step_N.saving``: DeepSpeed shards, per-rank state, config; every rank
         fsyncs; barrier; rank 0 writes the manifest and COMPLETE and swaps the directory in as
-        ``step_N`` (replacing an older copy atomically), then prunes (checkpoint.py)."""
+        ``step_N`` (replacing an older copy atomically), then prunes (checkpoint.py). A full disk
+        is reported as such, naming the checkpoint."""
+        with ckpt.disk_full_named(ckpt.step_dir(self.run.train.output_dir, self.state.step), self.last_good):
+            return self._save()
+
+    def _save(self) -> Path:
         t = self.run.train
+        start = time.perf_counter()
         final = ckpt.step_dir(t.output_dir, self.state.step)
         staging = ckpt.staging_dir(t.output_dir, self.state.step)
         if self.rank == 0:
@@ -375,7 +435,34 @@ class Trainer:
                 self.tracker.print(f"removed old checkpoint {gone}")
         eng.barrier()
         self.last_good = final
-        self.tracker.print(f"saved checkpoint {final}")
+        if self.rank == 0:  # the save's cost, for sizing preemption grace (docs/resume.md)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            took = time.perf_counter() - start
+            self.tracker.print(f"saved checkpoint {final} ({size / 2**20:.1f} MiB in {took:.2f} s)")
+        return final
+
+    def save_weights(self) -> Path:
+        """train.save_on_signal model: each rank's partition of the weights only, in parallel
+        (weights_only.py), atomically under ``output_dir/weights/step_N``. Not resumable."""
+        from mdlmpe_ds import weights_only
+
+        final = weights_only.weights_dir(self.run.train.output_dir, self.state.step)
+        staging = final.with_name(final.name + ckpt.STAGING)
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        eng.barrier()
+        weights_only.save_partitions(self.engine.module, staging, self.rank)
+        eng.barrier()
+        if self.rank == 0:
+            ckpt.write_meta(
+                staging, self.state.step, self.world, self.run.to_dict(), self.model_config.to_dict(),
+                self.tokenizer_dir, self.data_fingerprint,
+            )  # fmt: skip
+            weights_only.write_marker(self.engine.module, staging, self.world)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
+        eng.barrier()
         return final
 
     def _resume(self, path: Path) -> None:
@@ -388,6 +475,9 @@ class Trainer:
         loaded, _ = self.engine.load_checkpoint(str(path), tag=tag, **lora.checkpoint_load_kwargs(self.run))
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}/{tag}")
+        # DeepSpeed restored the saved optimizer groups and base lrs: this run's optim keys win
+        # (resume_changes.py "applied").
+        eng.apply_optim_settings(self.engine, self.run, self.total_updates)
         same_world = saved.world_size == self.world
         state = ckpt.read_trainer_state(path, self.rank if same_world else 0)
         self.state = TrainerState(**state["trainer"])

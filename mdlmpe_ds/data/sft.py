@@ -41,6 +41,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
+from mdlmpe_ds import stop_request
 from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
 from mdlmpe_ds.seeding import mix_seed
 
@@ -499,6 +500,7 @@ def build_sft_dataset(
     for index, row in enumerate(_iter_rows(source, split)):
         if max_rows is not None and index >= max_rows:
             break
+        stop_request.poll(f"tokenising {source} (row {index})")  # Ctrl-C / SIGTERM stop here
         stats.rows += 1
         if isinstance(row, _BadLine):
             line = "" if row.line is None else f" (line {row.line})"

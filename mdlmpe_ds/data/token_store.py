@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from mdlmpe_ds import stop_request
+
 STORE_VERSION = 1
 COMPLETE = "COMPLETE"
 TOKENS, DOC_ENDS, MANIFEST = "tokens.bin", "doc_ends.npy", "manifest.json"
@@ -265,6 +267,7 @@ def build_store(
         writer = _Writer(staging, dtype, separator_id)
         try:
             for doc in documents:
+                stop_request.poll(f"building the token store {path} (document {writer.num_docs})")
                 writer.add(doc)
         finally:
             writer.close()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import collectives, lora
+from mdlmpe_ds import collectives, lora, resume_changes, run_lock
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
 
@@ -137,6 +137,8 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
     does not resume. A dry run only checks."""
     t = run.train
     if eng.rank() == 0:
+        if not dry_run:  # before anything in output_dir is touched (run_lock.py)
+            run_lock.acquire(t.output_dir, log=log.warning)
         for action in [] if dry_run else ckpt.recover_interrupted(t.output_dir):
             log.info(action)
         existing = ckpt.existing_run(t.output_dir)
@@ -160,22 +162,31 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
 
 
 def prepare_resume(
-    resume: str | None, run: RunConfig, model_config, ds_config: dict, dry_run: bool = False
+    resume: str | None,
+    run: RunConfig,
+    model_config,
+    ds_config: dict,
+    dry_run: bool = False,
+    allow_changes: list[str] | None = None,
 ) -> Path | None:
     """The checkpoint to resume from (None: a fresh run), verified against its manifest and checked
-    against this model before any data or engine work; checkpoints newer than it are moved aside
-    (checkpoint.supersede_newer); a checkpoint of another world size switches the engine to its
-    universal copy."""
+    against this run's config (resume_changes.py: ``allow_changes`` are the keys of
+    --allow_config_change) and model before any data or engine work; checkpoints newer than it are
+    moved aside (checkpoint.supersede_newer); a checkpoint of another world size switches the
+    engine to its universal copy."""
     prepare_output_dir(resume, run, dry_run)
     resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.info)
     eng.barrier()  # every rank has verified before rank 0 may move anything
     if resume_from is None:
         return None
+    saved = ckpt.read_saved_run(resume_from)
+    allowed = resume_changes.parse_allowed(allow_changes)
+    for line in resume_changes.check_resume_config(saved.run_config, run.to_dict(), allowed, resume_from):
+        log.info(line)
     if eng.rank() == 0 and not dry_run:
         for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
             log.info(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
     eng.barrier()
-    saved = ckpt.read_saved_run(resume_from)
     ckpt.check_same_model(saved, model_config.to_dict())
     world = eng.world_size()
     if saved.world_size != world:

@@ -169,6 +169,7 @@ def run_pretrain(
     resume: str | None = None,
     dry_run: bool = False,
     faults: Faults = NO_FAULTS,
+    allow_changes: list[str] | None = None,
 ) -> dict:
     """Build the packed data, the model under ZeRO-3 and the engine; pretrain. Call inside
     `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
@@ -189,7 +190,7 @@ def run_pretrain(
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     model_config = model_config_for(run, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run)
+    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
 
     def pack():
         return load_packed_corpus(

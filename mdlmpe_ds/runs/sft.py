@@ -85,6 +85,7 @@ def run_sft(
     resume: str | None = None,
     dry_run: bool = False,
     faults: Faults = NO_FAULTS,
+    allow_changes: list[str] | None = None,
 ) -> dict:
     """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
     (except dry runs, which build on the meta device and need no process group). ``faults``: test
@@ -104,7 +105,7 @@ def run_sft(
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model_config = model_config_for(run, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run)
+    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
 
     dataset, fingerprint = build_sft_data(run, source, tokenizer, model_config.family)
     check_resume_data(resume_from, fingerprint, run)

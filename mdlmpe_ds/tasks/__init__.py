@@ -32,6 +32,9 @@ class Task(Protocol):
     position a checkpoint stores)."""
 
     sampler: Any
+    # True after periodic_metrics abandoned an evaluation because a stop was requested (every rank
+    # agrees): the trainer then saves at once instead of training one more update.
+    evaluation_stopped: bool
 
     def batches(self) -> Iterator[dict]:
         """This rank's micro-batches forever (the sampler moves to the next epoch by itself)."""

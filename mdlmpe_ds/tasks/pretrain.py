@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from mdlmpe_ds import collectives, stop_request
 from mdlmpe_ds.config import TrainConfig
 from mdlmpe_ds.diffusion.elbo import diffusion_elbo, scored_positions
 from mdlmpe_ds.diffusion.layouts import corrupt_layout
@@ -50,6 +51,10 @@ def pretrain_corruption(
     return noisy, draw.scored, p.float()
 
 
+class _EvaluationStopped(Exception):
+    """A stop request reached the validation loop (every rank raises it at the same forward)."""
+
+
 class PretrainTask:
     """Packed windows through the sampler, tagged with their epoch; validation on fixed windows."""
 
@@ -67,6 +72,7 @@ class PretrainTask:
         self.validation = validation
         self.last_validation: dict[str, float] | None = None
         self.loss_family = model_config.family if train.loss == "auto" else train.loss
+        self.evaluation_stopped = False
 
     def batches(self) -> Iterator[dict]:
         """Packed micro-batches forever, each tagged with the epoch it belongs to (the corruption
@@ -104,10 +110,18 @@ class PretrainTask:
         (ZeRO-3 forwards are collective), so no gathering is needed and all ranks agree."""
         t = self.train
         device = engine_device(engine)
+
+        def forward(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            # A stop request (SIGTERM during a long validation) is polled before every forward,
+            # agreed over the ranks (each scores the same windows, so the calls line up).
+            if collectives.all_reduce_max([1.0 if stop_request.stop_reason() else 0.0])[0] > 0:
+                raise _EvaluationStopped
+            return engine(ids.to(device), valid=valid.to(device))
+
         engine.eval()
         try:
             result = diffusion_elbo(
-                lambda ids, valid: engine(ids.to(device), valid=valid.to(device)),
+                forward,
                 self.validation,
                 self.model_config.mask_token_id,
                 t.eval_samples,
@@ -131,7 +145,12 @@ class PretrainTask:
         every = self.train.eval_every
         if not self.validation or not (step == total_updates or (every and step % every == 0)):
             return {}
-        out = self.validate(engine)
+        try:
+            out = self.validate(engine)
+        except _EvaluationStopped:
+            self.evaluation_stopped = True
+            say(f"update {step}: validation abandoned ({stop_request.stop_reason() or 'a rank was stopped'})")
+            return {}
         say(
             f"update {step}: validation ELBO perplexity {out['val/ppl']:.2f} "
             f"(nll {out['val/nll']:.4f} ± {out['val/nll_stderr']:.4f} nats/token, "

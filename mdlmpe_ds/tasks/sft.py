@@ -40,6 +40,7 @@ class SFTTask:
         self.train, self.model_config = train, model_config
         self.dataset, self.sampler, self.collator = dataset, sampler, collator
         self.loss_family = model_config.family if train.loss == "auto" else train.loss
+        self.evaluation_stopped = False  # SFT runs no evaluation
 
     def batches(self) -> Iterator[dict]:
         """Per-rank micro-batches forever. The collator's per-batch cutoff draw is keyed by (epoch,

@@ -21,6 +21,7 @@ def data(sft_data):  # tests/dist/conftest.py
 def test_nonfinite_skipped_then_stop(data, tmp_path):
     out = tmp_path / "nan"
     # NaN loss at updates 1 (isolated) and 3, 4, 5 (three in a row = the limit) -> stop after update 6.
+    # The save due at update 2 (1-based; non-finite) waits for the finite update 3.
     proc = launch(
         [
             *data,
@@ -35,9 +36,10 @@ def test_nonfinite_skipped_then_stop(data, tmp_path):
         faults={"nan_updates": [1, 3, 4, 5]},
     )
     assert proc.returncode != 0  # the workers exit 3; torchrun reports the failure as 1
-    # The update-6 save never happens: the run stops first and names the last complete checkpoint.
+    # No save at a non-finite update (4, 6): the run stops naming the last finite checkpoint.
     assert "3 consecutive non-finite updates" in proc.stderr and "last good checkpoint:" in proc.stderr
-    assert "step_000004" in proc.stderr and not (out / "checkpoints" / "step_000006").exists()
+    assert "step_000003" in proc.stderr
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_000003"]
     rows = metrics(out)
     assert [rows[s]["train/update_applied"] for s in range(1, 7)] == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     assert [rows[s]["train/nonfinite_skipped"] for s in range(1, 7)] == [0.0, 1.0, 1.0, 2.0, 3.0, 4.0]

@@ -94,12 +94,6 @@ def test_same_size_corruption_fails_the_checksum(tmp_path):
     assert any("checksum" in p and shard.name in p for p in ckpt.verify(path))
 
 
-def test_checkpoints_without_a_manifest_still_resume(tmp_path):
-    path = save(tmp_path, 2)
-    (path / ckpt.MANIFEST).unlink()
-    assert ckpt.verify(path) == [] and ckpt.resolve_resume("auto", tmp_path) == path
-
-
 def test_resuming_an_older_step_sets_newer_ones_aside(tmp_path):
     four, _ = save(tmp_path, 4), save(tmp_path, 8)
     moved = ckpt.supersede_newer(tmp_path, four)

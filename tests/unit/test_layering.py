@@ -33,6 +33,8 @@ LEVELS: dict[str, int] = {
     "engine": 60,
     "checkpoint": 60,
     "memory_plan": 58,
+    "weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
+    "resume_changes": 57,  # what a resume may change (over config's key names)
     "config": 55,
     "lora_spec": 54,  # the --lora spec the run config validates
     "models": 50,
@@ -44,6 +46,8 @@ LEVELS: dict[str, int] = {
     "recipes": 5,
     "seeding": 5,
     "collectives": 5,
+    "stop_request": 5,  # the stop flag, polled by data setup
+    "run_lock": 5,
 }
 
 # Edges that break the order today and are being removed on another branch. Each is allowed

@@ -1,0 +1,224 @@
+"""What a resumed run may change: one table, the one place that decides, for every run-config key.
+
+A resumed run compares its run config with the one its checkpoint recorded (``config.json``) before
+any data or engine work. Every changed key falls into one of four kinds:
+
+- ``applied``: the new value takes effect from the resumed update on. For the optimizer keys this
+  needs work: DeepSpeed restores the optimizer's param groups and the LambdaLR's base lrs from the
+  checkpoint, so the trainer writes the new values back after loading (engine.apply_optim_settings);
+- ``runtime``: how the run executes, not what it computes (paths, timeouts, the attention
+  backend): used as given;
+- ``checked``: what it decides is compared by content elsewhere -- the model config
+  (checkpoint.check_same_model) or the data fingerprint (checkpoint.check_same_data) -- so a moved
+  dataset or model directory resumes, and other content is refused there by name;
+- ``refused``: it changes what the run trains (objective, corruption, batch arithmetic, data order,
+  precision); refused naming the key, unless ``--allow_config_change KEY`` forces it (then the new
+  value is used and the change is logged as forced).
+
+Every change that is not refused is logged as ``changed on resume: KEY OLD -> NEW (kind)``.
+tests/unit/test_resume_changes.py fails when a run-config key has no entry here, and checks that
+docs/resume.md shows this table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+APPLIED, RUNTIME, CHECKED, REFUSED = "applied", "runtime", "checked", "refused"
+#: Refused keys that --allow_config_change cannot force: the checkpoint could not be loaded at all.
+NEVER_FORCED = ("model.lora", "train.precision")
+
+_MODEL = "compared through the model config (checkpoint.check_same_model)"
+_DATA = "compared through the data fingerprint (--allow_data_change true to continue on other data)"
+_WHERE = "where files go or how long to wait; the numbers do not change"
+_SCHEDULE = "the lr schedule is rebuilt with it and continues at the resumed update"
+
+#: key -> (kind, what happens). Keys of model.mdlmpe are listed one by one.
+RESUME_CHANGES: dict[str, tuple[str, str]] = {
+    "model.preset": (CHECKED, _MODEL),
+    "model.model_name_or_path": (CHECKED, _MODEL + "; a moved directory resumes"),
+    "model.revision": (CHECKED, _MODEL),
+    "model.position_encoding": (CHECKED, _MODEL),
+    "model.vocab_size": (CHECKED, _MODEL),
+    "model.mask_token_id": (CHECKED, _MODEL),
+    "model.eos_token_id": (CHECKED, _MODEL),
+    "model.pad_token_id": (CHECKED, _MODEL),
+    "model.mdlmpe.max_seq_len": (CHECKED, _MODEL),
+    "model.mdlmpe.window_ratio": (CHECKED, _MODEL),
+    "model.mdlmpe.rho": (CHECKED, _MODEL),
+    "model.mdlmpe.eps": (CHECKED, _MODEL),
+    "model.mdlmpe.clip_kappa": (CHECKED, _MODEL),
+    "model.mdlmpe.gamma_max": (CHECKED, _MODEL),
+    "model.mdlmpe.gamma_init": (CHECKED, _MODEL),
+    "model.mdlmpe.tau_max": (CHECKED, _MODEL),
+    "model.mdlmpe.phase_hidden": (CHECKED, _MODEL),
+    "model.mdlmpe.use_gaussian": (CHECKED, _MODEL),
+    "model.mdlmpe.coordinate": (CHECKED, _MODEL),
+    "model.mdlmpe.use_embedding": (CHECKED, _MODEL),
+    "model.gradient_checkpointing": (RUNTIME, "backward recomputes the same forward: same numbers"),
+    "model.recompute_mdlmpe_attention": (RUNTIME, "backward recomputes the same forward: same numbers"),
+    "model.lora": (REFUSED, "a LoRA and a full fine-tune checkpoint hold different parameters"),
+    "data.dataset": (CHECKED, _DATA + "; a moved file resumes"),
+    "data.dataset_config": (CHECKED, _DATA),
+    "data.split": (CHECKED, _DATA),
+    "data.tokenizer": (CHECKED, _DATA + "; a moved directory resumes"),
+    "data.max_len": (CHECKED, _MODEL + " and the data fingerprint"),
+    "data.skip_malformed": (CHECKED, _DATA),
+    "data.multiturn": (CHECKED, _DATA),
+    "data.text_split": (CHECKED, _DATA),
+    "data.text_column": (CHECKED, _DATA),
+    "data.max_documents": (CHECKED, _DATA),
+    "data.tokenizer_vocab": (CHECKED, _DATA),
+    "data.attend_padding": (REFUSED, "changes which positions are attended and trained"),
+    "data.perbatch_cutoff": (REFUSED, "changes the batches trained on"),
+    "data.resp_cutoff_ratio": (REFUSED, "changes the batches trained on"),
+    "data.pad_to_multiple_of": (REFUSED, "with attended padding, the extra EOS columns are trained"),
+    "data.validation": (APPLIED, "the validation set from the resumed update on (the curve restarts)"),
+    "data.store_dir": (RUNTIME, _WHERE),
+    "data.build_workers": (RUNTIME, "the token ids are the same with any number of workers"),
+    "optim.lr": (APPLIED, "the peak lr; " + _SCHEDULE),
+    "optim.betas": (APPLIED, "written into the optimizer's param groups after loading"),
+    "optim.eps": (APPLIED, "written into the optimizer's param groups after loading"),
+    "optim.weight_decay": (APPLIED, "written into the optimizer's param groups after loading"),
+    "optim.warmup_ratio": (APPLIED, _SCHEDULE),
+    "optim.warmup_steps": (APPLIED, _SCHEDULE),
+    "optim.cosine": (APPLIED, _SCHEDULE),
+    "optim.min_lr_ratio": (APPLIED, _SCHEDULE),
+    "optim.clip": (APPLIED, "DeepSpeed's gradient_clipping, read at every step"),
+    "train.micro_batch_size": (REFUSED, "the sampler position counts micro-batches of the saved size"),
+    "train.grad_accum": (REFUSED, "the sampler position and the noise stream count micro-batches"),
+    "train.max_steps": (APPLIED, "the new total: the lr cosine and the head schedule stretch to it"),
+    "train.epochs": (APPLIED, "the new total: the lr cosine and the head schedule stretch to it"),
+    "train.stop_at": (APPLIED, "this job's stopping update"),
+    "train.seed": (REFUSED, "decides the data order and every noise draw"),
+    "train.save_every": (APPLIED, "checkpoint cadence"),
+    "train.keep_last": (APPLIED, "checkpoints kept"),
+    "train.output_dir": (RUNTIME, _WHERE + "; a copied run resumes"),
+    "train.overwrite_output_dir": (RUNTIME, "only read by a run that does not resume"),
+    "train.allow_data_change": (RUNTIME, "this job's permission"),
+    "train.orphan_grace_s": (RUNTIME, _WHERE),
+    "train.save_on_signal": (RUNTIME, "what this job writes when it is stopped"),
+    "train.log_every": (APPLIED, "logging cadence"),
+    "train.loss": (REFUSED, "changes the objective"),
+    "train.dream_weighting": (REFUSED, "changes the objective"),
+    "train.cart_p": (REFUSED, "changes the objective"),
+    "train.noise_eps": (REFUSED, "changes the corruption"),
+    "train.corruption": (REFUSED, "changes the corruption"),
+    "train.block_size": (REFUSED, "changes what is trained"),
+    "train.block_context": (REFUSED, "changes what is trained"),
+    "train.head_schedule": (REFUSED, "changes which MDLMPE heads are active"),
+    "train.max_consecutive_nonfinite": (APPLIED, "this job's stopping rule"),
+    "train.precision": (REFUSED, "DeepSpeed's optimizer state differs between fp32 and bf16"),
+    "train.dist_timeout_min": (RUNTIME, _WHERE),
+    "train.setup_timeout_min": (RUNTIME, _WHERE),
+    "train.eval_every": (APPLIED, "validation cadence"),
+    "train.eval_sequences": (APPLIED, "the validation set from the resumed update on (the curve restarts)"),
+    "train.eval_samples": (APPLIED, "draws per validation sequence"),
+    "attention.backend": (RUNTIME, "every backend computes the spec's numbers"),
+    "attention.query_block": (RUNTIME, "every backend computes the spec's numbers"),
+    "attention.tile": (RUNTIME, "every backend computes the spec's numbers"),
+    "attention.compile": (RUNTIME, "every backend computes the spec's numbers"),
+    "attention.pair_buffer_gib": (RUNTIME, "every backend computes the spec's numbers"),
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    before: Any
+    after: Any
+    kind: str
+
+    def describe(self) -> str:
+        return f"{self.key} {_show(self.before)} -> {_show(self.after)} ({self.kind})"
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value) if not isinstance(value, list) else json.dumps(value)
+
+
+def flat(run_config: dict[str, Any]) -> dict[str, Any]:
+    """{"optim": {"lr": 1}, "model": {"mdlmpe": {"rho": 1}}} -> {"optim.lr": 1, "model.mdlmpe.rho": 1},
+    values as JSON stores them (tuples -> lists), optim.lr as the effective peak lr."""
+    out: dict[str, Any] = {}
+    for section, values in json.loads(json.dumps(run_config, default=str)).items():
+        for key, value in (values or {}).items():
+            if isinstance(value, dict):
+                out.update({f"{section}.{key}.{sub}": v for sub, v in value.items()})
+            else:
+                out[f"{section}.{key}"] = value
+    if out.get("optim.lr", 0) is None:  # RunConfig.lr: the default depends on the model source
+        out["optim.lr"] = 1e-5 if out.get("model.model_name_or_path") is not None else 3e-3
+    return out
+
+
+def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
+    """The keys whose value differs between the checkpoint's run config and this run's. A key the
+    checkpoint did not record (added since) is not a change."""
+    before, after = flat(saved), flat(now)
+    out = []
+    for key in sorted(after):
+        if key in before and before[key] != after[key]:
+            kind = RESUME_CHANGES.get(key, (REFUSED, ""))[0]
+            out.append(Change(key, before[key], after[key], kind))
+    return out
+
+
+def parse_allowed(values: list[str] | None) -> set[str]:
+    """``--allow_config_change`` values (repeated and/or comma lists) -> full key names; an unknown
+    key is an error listing the refused ones."""
+    from mdlmpe_ds.config import resolve_key
+
+    out = set()
+    for value in values or []:
+        for item in filter(None, (v.strip() for v in value.split(","))):
+            section, name = resolve_key(item, "--allow_config_change")
+            out.add(f"{section}.{name}")
+    return out
+
+
+def check_resume_config(
+    saved: dict[str, Any], now: dict[str, Any], allowed: set[str], checkpoint
+) -> list[str]:
+    """The lines to log for the changes a resume makes; raises ValueError naming every refused key
+    that ``allowed`` does not force."""
+    found = changes(saved, now)
+    refused = [c for c in found if c.kind == REFUSED and (c.key not in allowed or c.key in NEVER_FORCED)]
+    if refused:
+        lines = "\n  ".join(f"{c.key}: {_show(c.before)} -> {_show(c.after)} ({_why(c)})" for c in refused)
+        forceable = [c.key for c in refused if c.key not in NEVER_FORCED]
+        force = f", or pass --allow_config_change {','.join(forceable)} to continue with the new ones"
+        raise ValueError(
+            f"checkpoint {checkpoint} was trained with other settings that a resume may not change "
+            f"(docs/resume.md):\n  {lines}\nResume with the checkpoint's values"
+            f"{force if forceable else ''}"
+        )
+    return [
+        f"changed on resume: {c.describe()}"
+        if c.kind != REFUSED
+        else f"changed on resume: {c.key} "
+        f"{_show(c.before)} -> {_show(c.after)} (forced by --allow_config_change)"
+        for c in found
+    ]
+
+
+def _why(change: Change) -> str:
+    if change.key == "model.lora" and change.before is None:
+        return (
+            "it is a full fine-tune checkpoint, which cannot continue as a LoRA run: resume it without "
+            "--lora, or export it (launch/export.py) and start a LoRA run from the export"
+        )
+    if change.key == "model.lora" and change.after is None:
+        return f"it is a LoRA checkpoint: resume it with --lora {change.before}"
+    if change.key in NEVER_FORCED:
+        return RESUME_CHANGES[change.key][1] + "; cannot be forced"
+    return RESUME_CHANGES.get(change.key, (REFUSED, "a key this version does not know"))[1]
+
+
+def markdown_table() -> str:
+    """The table as docs/resume.md shows it (a test compares the two)."""
+    rows = ["| key | on resume | what happens |", "|---|---|---|"]
+    rows += [f"| `{key}` | {kind} | {why} |" for key, (kind, why) in RESUME_CHANGES.items()]
+    return "\n".join(rows)

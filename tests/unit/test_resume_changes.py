@@ -1,0 +1,170 @@
+"""What a resume may change (mdlmpe_ds/resume_changes.py): every run-config key has a decision; a
+refused change is refused naming the key (or forced), any other change is logged, and the applied
+optimizer keys really reach the optimizer after DeepSpeed-style state restoring; docs/resume.md
+shows the code's table."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdlmpe_ds import resume_changes as rc
+from mdlmpe_ds.config import RunConfig, build_config
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_KEYS = sorted(rc.flat(RunConfig().to_dict()))
+
+
+def _other(value):
+    """A different value of the same kind (validity does not matter to the comparison)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 0.5 + 0.25
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [v * 0.5 for v in value]
+    return 7  # None
+
+
+def _set(tree: dict, key: str, value) -> None:
+    *path, last = key.split(".")
+    for part in path:
+        tree = tree[part]
+    tree[last] = value
+
+
+@pytest.mark.parametrize("key", ALL_KEYS)
+def test_every_key_is_applied_or_refused(key, tmp_path):
+    """Fails when a run-config key is added without a decision in RESUME_CHANGES."""
+    assert key in rc.RESUME_CHANGES, f"{key}: add it to resume_changes.RESUME_CHANGES (and docs/resume.md)"
+    saved = RunConfig().to_dict()
+    now = copy.deepcopy(saved)
+    _set(now, key, _other(rc.flat(saved)[key]))
+    kind = rc.RESUME_CHANGES[key][0]
+    if kind == rc.REFUSED:
+        with pytest.raises(ValueError, match=rf"(?s){key}:.*may not change|may not change.*{key}:"):
+            rc.check_resume_config(saved, now, set(), tmp_path)
+        if key not in rc.NEVER_FORCED:
+            lines = rc.check_resume_config(saved, now, {key}, tmp_path)
+            assert lines == [lines[0]] and key in lines[0] and "forced" in lines[0]
+    else:
+        lines = rc.check_resume_config(saved, now, set(), tmp_path)
+        # (a model directory also changes the default lr, reported as its own line)
+        (line,) = [x for x in lines if x.startswith(f"changed on resume: {key} ")]
+        assert line.endswith(f"({kind})")
+
+
+def test_the_table_has_no_stale_keys():
+    assert sorted(rc.RESUME_CHANGES) == ALL_KEYS
+
+
+def test_docs_show_the_code_table():
+    doc = (REPO / "docs" / "resume.md").read_text()
+    assert rc.markdown_table() in doc, "docs/resume.md: paste resume_changes.markdown_table() again"
+
+
+def test_unchanged_and_unrecorded_keys_are_not_changes(tmp_path):
+    saved = RunConfig().to_dict()
+    assert rc.check_resume_config(saved, RunConfig().to_dict(), set(), tmp_path) == []
+    older = copy.deepcopy(saved)
+    del older["train"]["corruption"]  # a checkpoint written before the key existed
+    now = RunConfig().to_dict()
+    now["train"]["corruption"] = "spans"
+    assert rc.check_resume_config(older, now, set(), tmp_path) == []
+    # the default lr (None) is the preset's 3e-3: giving it explicitly is no change
+    explicit = build_config(None, ["--lr", "3e-3"]).to_dict()
+    assert rc.check_resume_config(saved, explicit, set(), tmp_path) == []
+
+
+def test_corruption_change_is_refused_by_name_and_can_be_forced(tmp_path):
+    saved = RunConfig().to_dict()
+    now = build_config(None, ["--corruption", "spans"]).to_dict()
+    with pytest.raises(ValueError) as err:
+        rc.check_resume_config(saved, now, set(), tmp_path / "step_000004")
+    text = str(err.value)
+    assert "train.corruption: iid -> spans" in text and "--allow_config_change train.corruption" in text
+    allowed = rc.parse_allowed(["corruption,lr", "train.seed"])
+    assert allowed == {"train.corruption", "optim.lr", "train.seed"}
+    assert rc.check_resume_config(saved, now, allowed, tmp_path) == [
+        "changed on resume: train.corruption iid -> spans (forced by --allow_config_change)"
+    ]
+    with pytest.raises(ValueError, match="unknown key 'corruptoin'"):
+        rc.parse_allowed(["corruptoin"])
+
+
+def test_lr_change_is_logged_with_both_values(tmp_path):
+    saved = build_config(None, ["--lr", "3e-3"]).to_dict()
+    now = build_config(None, ["--lr", "1e-4"]).to_dict()
+    assert rc.check_resume_config(saved, now, set(), tmp_path) == [
+        "changed on resume: optim.lr 0.003 -> 0.0001 (applied)"
+    ]
+
+
+def test_a_full_checkpoint_resumed_with_lora_says_what_it_is(tmp_path):
+    saved = RunConfig().to_dict()
+    now = build_config(None, ["--lora", "r=4,alpha=8"]).to_dict()
+    with pytest.raises(ValueError) as err:
+        rc.check_resume_config(saved, now, {"model.lora"}, tmp_path / "step_000004")
+    text = str(err.value)
+    assert "is a full fine-tune checkpoint" in text and "without --lora" in text
+    assert "is a LoRA checkpoint" not in text and "--allow_config_change" not in text
+    with pytest.raises(ValueError, match=r"it is a LoRA checkpoint: resume it with --lora r=4"):
+        rc.check_resume_config(now, saved, set(), tmp_path)
+
+
+class _Engine:
+    """The two attributes apply_optim_settings uses, as DeepSpeed exposes them."""
+
+    def __init__(self, optimizer, scheduler):
+        self.optimizer, self.lr_scheduler = optimizer, scheduler
+
+
+def _engine_for(run: RunConfig, total: int, state=None) -> _Engine:
+    from mdlmpe_ds.engine import _lr_factor
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    o = run.optim
+    opt = torch.optim.AdamW(params, lr=run.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(run, total))
+    if state is not None:  # what DeepSpeed's load_checkpoint restores
+        opt.load_state_dict(state[0])
+        sched.load_state_dict(state[1])
+    return _Engine(opt, sched)
+
+
+def test_applied_optim_keys_reach_the_optimizer_after_a_restore():
+    """DeepSpeed restores the saved param groups and base lrs: without apply_optim_settings the
+    resumed run keeps the old lr, betas and weight decay (the silent case)."""
+    from mdlmpe_ds.engine import _lr_factor, apply_optim_settings
+
+    old = build_config(None, ["--lr", "3e-3", "--warmup_steps", "2", "--max_steps", "8"])
+    first = _engine_for(old, 8)
+    for _ in range(4):
+        first.optimizer.step()
+        first.lr_scheduler.step()
+    state = (first.optimizer.state_dict(), first.lr_scheduler.state_dict())
+    new = build_config(
+        None, ["--lr", "1e-4", "--warmup_steps", "2", "--max_steps", "8", "--betas", "[0.8, 0.9]",
+               "--weight_decay", "0.2", "--min_lr_ratio", "0.5"],
+    )  # fmt: skip
+    resumed = _engine_for(new, 8, state)
+    assert resumed.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]  # restored: old
+    apply_optim_settings(resumed, new, 8)
+    group = resumed.optimizer.param_groups[0]
+    assert group["lr"] == 1e-4 * _lr_factor(new, 8)(4)
+    assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.2
+    resumed.optimizer.step()
+    resumed.lr_scheduler.step()
+    assert resumed.optimizer.param_groups[0]["lr"] == 1e-4 * _lr_factor(new, 8)(5)
+    # unchanged settings: the same numbers as the restored state
+    same = _engine_for(old, 8, state)
+    before = same.optimizer.param_groups[0]["lr"]
+    apply_optim_settings(same, old, 8)
+    assert same.optimizer.param_groups[0]["lr"] == before
