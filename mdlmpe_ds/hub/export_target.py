@@ -68,8 +68,9 @@ def check_target(out: str | Path, checkpoint: str | Path) -> Path:
     out, checkpoint = Path(out).resolve(), Path(checkpoint).resolve()
     advice = "choose a new directory outside the checkpoints, e.g. <output_dir>/export"
     if out == checkpoint or checkpoint in out.parents:
+        relation = "is" if out == checkpoint else "is inside"
         raise ExportTargetError(
-            f"export target {out} is inside the checkpoint being exported ({checkpoint}); {advice}"
+            f"export target {out} {relation} the checkpoint being exported ({checkpoint}); {advice}"
         )
     if out in checkpoint.parents:
         raise ExportTargetError(

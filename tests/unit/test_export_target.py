@@ -89,7 +89,7 @@ def _run(tmp_path):
 @pytest.mark.parametrize(
     ("where", "message"),
     [
-        (lambda run, step: step, "inside the checkpoint being exported"),
+        (lambda run, step: step, "is the checkpoint being exported"),
         (lambda run, step: step / "export", "inside the checkpoint being exported"),
         (lambda run, step: run / "checkpoints", "holds the checkpoint being exported"),
         (lambda run, step: run, "holds the checkpoint being exported"),
