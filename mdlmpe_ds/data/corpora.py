@@ -99,11 +99,36 @@ def _text_files(spec: str) -> list[Path] | None:
     return None
 
 
+def unknown_corpus(spec: str) -> ValueError | None:
+    """The error for a spec that names no corpus (a typo of a named one, a bare word), or None.
+
+    A hub dataset is named ``org/name`` (optionally ``:config``): a bare word that is neither a named
+    corpus nor a local path would otherwise go to the hub and fail there with a hub error."""
+    import difflib
+
+    name = named.parse_name(spec)[0]
+    if spec in NAMED_CORPORA or name in named.HUB_CORPORA or "/" in spec.split(":", 1)[0]:
+        return None
+    if Path(spec).exists() or Path(spec).suffix in (".txt", *TABULAR_SUFFIXES) or "," in spec:
+        return None
+    known = [*NAMED_CORPORA, *named.HUB_CORPORA]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    guess = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return ValueError(
+        f"corpus {spec!r} is not a named corpus, a local file or directory, or a hub dataset "
+        f"(org/name).{guess} "
+        f"Named corpora: {', '.join(NAMED_CORPORA)}; named hub corpora: {', '.join(named.HUB_CORPORA)}"
+    )
+
+
 def corpus_text_files(spec: str) -> list[Path]:
     """The text files behind ``spec`` when it is a named corpus or local .txt files (for training a
     tokenizer on them); raises for tabular or hub corpora, which need an explicit tokenizer."""
     if spec in NAMED_CORPORA:
         return [named_corpus_file(spec)]
+    error = unknown_corpus(spec)
+    if error is not None:
+        raise error
     files = _text_files(spec)
     if files is None:
         raise ValueError(
@@ -219,6 +244,9 @@ def corpus_documents(
             f"corpus {spec!r}: no such file or directory (named corpora: "
             f"{', '.join([*NAMED_CORPORA, *named.HUB_CORPORA])})"
         )
+    error = unknown_corpus(spec)
+    if error is not None:
+        raise error
     from mdlmpe_ds.hub.resolve import split_dataset_name
 
     name, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
