@@ -29,6 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from mdlmpe_ds.lora_base import (  # noqa: F401  (re-exported: where the base is and which it is)
+    IDENTITY_ATTR,
+    base_file,
+    base_identity,
+    base_source,
+    check_base_identity,
+    file_sha256,
+    find_base_file,
+    load_base_file,
+    recorded_base_identity,
+)
 from mdlmpe_ds.lora_spec import (  # noqa: F401  (re-exported: the spec's home)
     ADAPTER,
     BASE_FILE,
@@ -316,120 +327,6 @@ def parse_spec_text(file: Path) -> str:
         return "..."
 
 
-def base_file(output_dir: str | Path) -> Path:
-    return Path(output_dir) / BASE_FILE
-
-
-def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
-    """The initial base of a preset LoRA run: next to ``checkpoints/`` of ``step_dir`` (the run may
-    have been moved), else in the recorded output_dir; a clear error when neither holds it."""
-    candidates = [step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{step_dir} is a LoRA checkpoint of a from-scratch model, whose frozen base is kept once in "
-        f"{BASE_FILE} of the run's output_dir; not found at {', '.join(map(str, candidates))}"
-    )
-
-
-# ---------------------------------------------------------------------------- the base's identity
-#: Which base a LoRA checkpoint was trained on, recorded in its lora.json and checked wherever the
-#: base is read again (resume, export, evaluation): adapters are meaningless on another base, and
-#: the base is found by a path (the recorded output_dir, model_name_or_path) that may since hold
-#: another one. A preset run's lora_base.safetensors (written by us, at most a few hundred MB) is
-#: identified by the SHA-256 of all its bytes: its header (names, dtypes, shapes) and every tensor.
-#: A pretrained directory (16 GB for an 8B model: about a minute to hash in full at the ~0.2-0.5
-#: GB/s one core gives) by the size and a sampled CRC-32 (head, middle, tail; checkpoint.py) of its
-#: config.json and every weight file: another model, another revision or a re-converted copy
-#: changes those; an edit of a few bytes between the samples would not.
-_BASE_ATTR = "_lora_base_identity"  # on the model, from attach() to the checkpoint saves
-
-
-def file_sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:
-    from mdlmpe_ds import checkpoint as ckpt
-
-    names = sorted({"config.json", *(p.name for p in directory.glob("*.safetensors"))})
-    out = {}
-    for name in names:
-        file = directory / name
-        if file.is_file():
-            size = file.stat().st_size
-            out[name] = {"size": size, "crc32": ckpt.sampled_crc32(file, size)}
-    return out
-
-
-def base_identity(source: Path) -> dict[str, Any]:
-    """The identity of a base: ``{"sha256"}`` of a preset's base file, ``{"files"}`` of a directory."""
-    source = Path(source)
-    if source.is_dir():
-        return {"kind": "directory", "files": _directory_digest(source)}
-    return {"kind": "file", "sha256": file_sha256(source)}
-
-
-def recorded_base_identity(step_dir: Path) -> dict[str, Any] | None:
-    """The base identity ``step_dir``'s lora.json records (None: a checkpoint from before it was)."""
-    try:
-        return json.loads((step_dir / CHECKPOINT_FILE).read_text()).get("base")
-    except (OSError, ValueError):
-        return None
-
-
-def check_base_identity(step_dir: Path, source: Path) -> dict[str, Any] | None:
-    """Refuse a base ``source`` that is not the one ``step_dir`` was trained on; returns the recorded
-    identity (None when the checkpoint records none)."""
-    want = recorded_base_identity(step_dir)
-    if want is None:
-        return None
-    got = base_identity(source)
-    same = (
-        got.get("sha256") == want.get("sha256")
-        if want.get("kind") == "file"
-        else got.get("files") == want.get("files")
-    )
-    if not same:
-        where = (
-            f"a from-scratch run keeps its base in {BASE_FILE} of its output_dir: copy the run's own "
-            f"{BASE_FILE} into {step_dir.parent.parent}"
-            if want.get("kind") == "file"
-            else "model_name_or_path must name the pretrained model it was trained on"
-        )
-        raise ValueError(
-            f"{source}: not the base this LoRA checkpoint was trained on ({step_dir / CHECKPOINT_FILE} "
-            f"records {_short(want)}, this base has {_short(got)}); the path may have been reused by "
-            f"another run or the model replaced since. {where}"
-        )
-    return want
-
-
-def _short(identity: Mapping[str, Any]) -> str:
-    if identity.get("kind") == "file":
-        return f"SHA-256 {str(identity.get('sha256'))[:16]}..."
-    files = identity.get("files") or {}
-    return f"{len(files)} files of {sum(f['size'] for f in files.values()):,} bytes (sizes + sampled CRC-32)"
-
-
-def base_source(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
-    """Where the frozen base of a LoRA checkpoint is read from (the pretrained directory, resolved;
-    or the preset run's base file)."""
-    source = run_config["model"].get("model_name_or_path")
-    if source is None:
-        return find_base_file(step_dir, run_config)
-    from mdlmpe_ds.hub.resolve import resolve_model
-
-    return Path(resolve_model(source, run_config["model"].get("revision")))
-
-
 def merged_state(
     step_dir: Path, run_config: Mapping[str, Any], state: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -449,26 +346,12 @@ def read_base(step_dir: Path, run_config: Mapping[str, Any]) -> dict[str, torch.
 
     source = base_source(step_dir, run_config)
     if run_config["model"].get("model_name_or_path") is None:
-        tensors = _load_base_file(source)  # a truncated file is named as such first
+        tensors = load_base_file(source)  # a truncated file is named as such first
         check_base_identity(step_dir, source)  # the base it was trained on, not what the path holds now
         return tensors
     check_base_identity(step_dir, source)
     model = load_pretrained(source)
     return {name: p.detach() for name, p in model.named_parameters() if not is_mdlmpe_name(name)}
-
-
-def _load_base_file(path: Path) -> dict[str, torch.Tensor]:
-    """A preset run's base file, or an error naming it when it cannot be read (truncated, damaged)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
-            f"{path}: the LoRA run's frozen base cannot be read ({err}); it is truncated or damaged: "
-            f"restore the run's {BASE_FILE} from a copy"
-        ) from err
 
 
 # ---------------------------------------------------------------------------- the trainer's call sites
@@ -486,7 +369,7 @@ def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, par
     elif not meta:  # a pretrained directory: the one the checkpoint was trained on, recorded in each save
         source = Path(run.model.model_name_or_path)
         recorded = check_base_identity(resume_from, source) if resume_from is not None else None
-        setattr(model, _BASE_ATTR, recorded or base_identity(source))
+        setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
     if not meta:
         import_peft()  # before zero.Init: importing peft inside it fails
     # the adapters are created partitioned, then set to rank 0's deterministic draw (A
@@ -521,18 +404,18 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
             tmp = target.with_name(target.name + ".tmp")
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, target)
-            setattr(model, _BASE_ATTR, base_identity(target))  # recorded in every checkpoint (rank 0)
+            setattr(model, IDENTITY_ATTR, base_identity(target))  # recorded in every checkpoint (rank 0)
         eng.barrier()
         return
     source = find_base_file(resume_from, ckpt.read_saved_run(resume_from).run_config)
-    tensors = _load_base_file(source)  # a truncated file is named as such first
+    tensors = load_base_file(source)  # a truncated file is named as such first
     recorded = check_base_identity(resume_from, source)  # every rank: the same file, the same verdict
     if sorted(tensors) != sorted(names):
         missing = sorted(set(names) - set(tensors))
         raise ValueError(
             f"{source}: not this model's base (missing {missing[:5]}, has {len(tensors)} tensors)"
         )
-    setattr(model, _BASE_ATTR, recorded or base_identity(source))
+    setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
     eng.copy_into(model, tensors)
 
 
@@ -558,7 +441,7 @@ def checkpoint_load_kwargs(run) -> dict[str, bool]:
 def write_checkpoint_meta_of(step_dir: Path, run, model: nn.Module) -> None:
     spec = spec_of(run)
     if spec is not None:
-        write_checkpoint_meta(step_dir, spec, trainable_names(model), getattr(model, _BASE_ATTR, None))
+        write_checkpoint_meta(step_dir, spec, trainable_names(model), getattr(model, IDENTITY_ATTR, None))
 
 
 def check_resume(step_dir: Path, run, model: nn.Module) -> None:
