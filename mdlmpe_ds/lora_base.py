@@ -19,7 +19,6 @@ changes those; an edit of a few bytes between the samples would not.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.lora_spec import BASE_FILE, CHECKPOINT_FILE
 
 
@@ -48,15 +48,6 @@ def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
 
 
 IDENTITY_ATTR = "_lora_base_identity"  # set on the model by lora.attach, read by each checkpoint save
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes, read in 16 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.data import named_corpora as named
+from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
 
 
@@ -160,7 +161,7 @@ def load_packed_corpus(
     this machine's CPUs (up to 32) for a named hub corpus, else 1.
 
     ``cache_dir``: the corpus is tokenised once into a token store there (data/token_store.py),
-    under a key of what it depends on (the files' paths, sizes and mtimes or the hub name and
+    under a key of what it depends on (the files' paths and content hashes or the hub name and
     slice, the tokenizer, the options; not ``seq_len``, which only cuts the stream), and the windows
     are read from the store's file. Without it the stream is built in memory (small evaluation
     corpora).
@@ -236,7 +237,7 @@ def corpus_documents(
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist")
         st = path.stat()
-        source = {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        source = {"file": str(path.resolve()), "size": st.st_size, "sha256": file_sha256(path)}
         source["builder"] = builder
         return lambda: _dataset_texts(builder, None, "train", str(path), text_column, max_documents), source
     if spec.startswith((".", "/", "~")):
@@ -265,7 +266,7 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
                 yield detok(doc) if detok else doc
 
     source = {
-        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "files": [(str(f.resolve()), f.stat().st_size, file_sha256(f)) for f in files],
         "documents": mode,
         "detokenizer": detokenizer,
         "corpus": name,

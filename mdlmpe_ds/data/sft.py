@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
+from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -549,16 +550,6 @@ _CACHE_VERSION = 2  # 2: a local file is keyed by its content hash (1: by size a
 
 class SFTCacheError(ValueError):
     """A tokenised-SFT cache file that cannot be read (truncated, damaged); names the file."""
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes, read in 16 MiB blocks (~0.2-0.5 GB/s on one core: seconds for a
-    multi-GB jsonl, against minutes to tokenise it)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], split: str = "train") -> str:

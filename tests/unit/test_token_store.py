@@ -190,6 +190,23 @@ def test_an_edited_manifest_is_named_not_taken_for_other_data(gpt2, assets, tmp_
     assert packed_fingerprint(again, gpt2) == want
 
 
+def test_a_text_corpus_edited_in_place_keeping_size_and_mtime_gets_its_own_store(gpt2, tmp_path):
+    """The store key of a local corpus file is its content hash, not (path, size, mtime): an edit
+    that keeps both is tokenised anew, not served from the store of the old text."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n\n" * 40)
+    first = load_packed_corpus(str(corpus), gpt2, 16, split="paragraph", cache_dir=tmp_path / "stores")
+    st = corpus.stat()
+    corpus.write_text("the quick brown cat jumps over the lazy dog\n\n" * 40)  # same length
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert corpus.stat().st_size == st.st_size and corpus.stat().st_mtime_ns == st.st_mtime_ns
+    second = load_packed_corpus(str(corpus), gpt2, 16, split="paragraph", cache_dir=tmp_path / "stores")
+    assert second.store.path != first.store.path
+    assert "cat" in gpt2.decode(second[0]["input_ids"].tolist()) and "cat" not in gpt2.decode(
+        first[0]["input_ids"].tolist()
+    )
+
+
 def test_stores_built_before_content_hashes_still_open(tmp_path):
     """A store written by an earlier version (no sampled hash, a COMPLETE with the count only)."""
     path = tmp_path / "old"
