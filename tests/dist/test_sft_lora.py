@@ -136,6 +136,8 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
 
     adapter = export.export(lora_straight / "checkpoints" / "latest", tmp_path / "adapter", adapter_only=True)
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    # staged and swapped in like the merged export: readable by others (safetensors writes 0600)
+    assert {oct(p.stat().st_mode & 0o777) for p in adapter.iterdir()} == {"0o644"}
     plain = DiffusionLM(model.config)
     shapes = {n: p.shape for n, p in plain.named_parameters()}
     weights = {**load_file(str(lora_straight / BASE_FILE)), **load_file(str(adapter / MDLMPE_FILE))}
