@@ -116,6 +116,27 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_debris(out: Path) -> None:
+    """Staging and set-aside directories of ``out`` left by an export killed on this host (its
+    process is gone): they hold a partial or a superseded export, never the current one."""
+    host = socket.gethostname()
+    for infix in (_STAGING_INFIX, _ASIDE_INFIX):
+        for path in out.parent.glob(f".{out.name}{infix}*"):
+            owner_host, _, pid = path.name.split(infix, 1)[1].rpartition("-")
+            if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def staged(out: Path) -> Iterator[Path]:
     """A fresh staging directory next to ``out``; after the block, ``out`` is exactly what was
@@ -124,6 +145,7 @@ def staged(out: Path) -> Iterator[Path]:
     staging = out.parent / f".{out.name}{_STAGING_INFIX}{tag}"
     aside = out.parent / f".{out.name}{_ASIDE_INFIX}{tag}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_debris(out)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:

@@ -74,6 +74,27 @@ def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path, qwen_tokeniz
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
+def test_debris_of_an_export_killed_on_this_host_is_removed(tmp_path, qwen_tokenizer_dir):
+    """A SIGKILLed export leaves its staging (or set-aside) directory; the next export removes those
+    of dead processes on this host and keeps those of live ones (another export in progress)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    host = socket.gethostname()
+    left = tmp_path / f".export.exporting-{host}-{int(dead.stdout)}"
+    aside = tmp_path / f".export.replaced-{host}-{int(dead.stdout)}"
+    live = tmp_path / f".export.exporting-{host}-{os.getppid()}"
+    for path in (left, aside, live):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"partial")
+    _export(_model(0), tmp_path / "export", qwen_tokenizer_dir)
+    assert not left.exists() and not aside.exists() and live.is_dir()
+
+
 def _run(tmp_path):
     """A run directory as training leaves it: checkpoints/step_N with COMPLETE and ds/."""
     run = tmp_path / "run"
