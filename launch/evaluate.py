@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", help="exported directories or training output dirs")
     parser.add_argument("--names", nargs="+", help="row names (default: the directories' names)")
     parser.add_argument("--corpora", nargs="+", default=list(EVAL_CORPORA))
-    parser.add_argument("--seq_len", type=int, default=None, help="window length (default: the model's)")
+    parser.add_argument(
+        "--seq_len",
+        type=int,
+        default=None,
+        help="window length, at most the model's max_seq_len (default: it)",
+    )
     parser.add_argument("--max_sequences", type=int, default=64)
     parser.add_argument("--num_samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -47,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda when available, else cpu)"
+    )
     parser.add_argument("--out", default="outputs/eval/perplexity", help="output prefix (.md / .json)")
     parser.add_argument(
         "--corruption", nargs="+", default=None, choices=LAYOUTS, help="score by mask layout (paired)"
@@ -55,11 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the results table
-    if args.names and len(args.names) != len(args.models):
-        parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
+    check_arguments(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.corruption:
         return evaluate_layouts(args, device)
     scores, settings = [], None
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tok_dir = load_model(path, device=device, dtype=args.dtype)
         if tok_dir is None:
             raise SystemExit(f"{path}: no tokenizer recorded with this model")
+        check_length(args.seq_len, model, path)
         tokenizer = load_tokenizer(tok_dir)
         name = args.names[i] if args.names else Path(path).resolve().name
         settings = EvalSettings(
@@ -90,6 +98,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The arguments that can be checked before a model is loaded: counts, corpus names, device
+    (--num_samples is checked against --t_sampling by diffusion/elbo.py)."""
+    from mdlmpe_ds.data.corpora import unknown_corpus
+    from mdlmpe_ds.models.device import check_device
+
+    if args.names and len(args.names) != len(args.models):
+        parser.error(f"--names has {len(args.names)} entries for {len(args.models)} models")
+    for flag, value, low, why in (
+        ("--max_sequences", args.max_sequences, 1, "windows scored per corpus"),
+        ("--batch_size", args.batch_size, 1, "windows per forward pass"),
+        ("--seq_len", args.seq_len, 2, "tokens per window"),
+    ):
+        if value is not None and value < low:
+            parser.error(f"{flag} {value}: must be >= {low} ({why})")
+    for corpus in args.corpora:
+        error = unknown_corpus(corpus)
+        if error is not None:
+            parser.error(f"--corpora: {error}")
+    if args.device is not None:
+        try:
+            check_device(args.device)
+        except ValueError as err:
+            parser.error(str(err))
+
+
+def check_length(seq_len: int | None, model, path: str) -> None:
+    """Refuse windows longer than the model was trained for (as launch/generate.py does): positions
+    past max_seq_len were never trained (no row of an absolute table, MDLMPE's L_ref), so the
+    perplexity printed would describe untrained positions."""
+    limit = model.config.max_seq_len
+    if seq_len is not None and seq_len > limit:
+        raise SystemExit(
+            f"--seq_len {seq_len} is longer than the maximum length {limit} of {path} (max_seq_len in its "
+            f"config): positions past it were never trained; use --seq_len {limit} or less (the default is "
+            "the model's own)"
+        )
+
+
 def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
     """Paired scoring by corruption layout (module doc); writes <out>.md and <out>.json."""
     import json
@@ -109,6 +156,7 @@ def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
         model, tok_dir = load_model(path, device=device, dtype=args.dtype)
         if tok_dir is None:
             raise SystemExit(f"{path}: no tokenizer recorded with this model")
+        check_length(args.seq_len, model, path)
         models.append(
             (args.names[i] if args.names else Path(path).resolve().name, model, load_tokenizer(tok_dir))
         )

@@ -17,6 +17,12 @@ base is read from the run's `model_name_or_path` (or, for a from-scratch preset,
 consolidated model above, the same format as a full fine-tune; `--adapter-only` writes a
 peft-loadable adapter directory (adapter_config.json + adapter_model.safetensors) plus the trained
 MDLMPE weights (mdlmpe.safetensors) and the run's tokenizer files.
+
+OUT is written whole into a staging directory next to it and swapped in, so an earlier export there
+leaves no file behind (a single-file model.safetensors next to new shards would make transformers
+load the old weights); files are readable by others (0644). OUT may not be a checkpoint, the
+checkpoints/ folder, a run's output_dir or a directory holding other files: the export refuses,
+naming it (mdlmpe_ds/hub/export_target.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def export(
     from mdlmpe_ds import engine, lora, weights_only
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
+    from mdlmpe_ds.hub.export_target import check_target, staged
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.models.transformer import DiffusionLM
@@ -49,6 +56,7 @@ def export(
     # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
     model_only = weights_only.is_weights_dir(checkpoint)
     step_dir = Path(checkpoint) if model_only else ckpt.resolve_checkpoint(checkpoint)
+    target = check_target(out, step_dir)  # never into a checkpoint or over a run (hub/export_target.py)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     state = weights_only.load(step_dir) if model_only else engine.fp32_state_dict_from_checkpoint(step_dir)
@@ -58,10 +66,11 @@ def export(
     if spec is not None:
         _, adapters, mdlmpe = lora.split_state(state)
         if adapter_only:
-            out = _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, DTYPES[dtype])
+            with staged(target) as stage:
+                _export_adapter(step_dir, saved, stage, target, adapters, mdlmpe, spec, DTYPES[dtype])
             if push_to_hub:
-                print(f"uploaded {out} -> {upload(out, push_to_hub)}")
-            return out
+                print(f"uploaded {target} -> {upload(target, push_to_hub)}")
+            return target
         state = lora.merged_state(step_dir, saved.run_config, state)
     # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
     with torch.device("meta"):
@@ -72,22 +81,24 @@ def export(
         if want is not None and tuple(want.shape) != tuple(tensor.shape) and want.numel() == tensor.numel():
             tensor = tensor.reshape(want.shape)
         converted[name] = tensor.to(DTYPES[dtype])
-    out = Path(out)
-    files = save_pretrained(converted, out, config, max_shard_bytes=int(max_shard_gb * 1024**3))
-    done = finish_export(out, config.family, _tokenizer_dir(saved.tokenizer))
+    # Written whole into a staging directory, then swapped in: no file of an earlier export survives.
+    with staged(target) as stage:
+        files = save_pretrained(converted, stage, config, max_shard_bytes=int(max_shard_gb * 1024**3))
+        done = finish_export(stage, config.family, _tokenizer_dir(saved.tokenizer))
     print(
-        f"exported {step_dir} (update {saved.step}) -> {out}: {len(files)} files, "
+        f"exported {step_dir} (update {saved.step}) -> {target}: {len(files)} files, "
         f"{sum(t.numel() for t in converted.values()):,} parameters ({dtype}); "
         f"tokenizer files: {done['tokenizer_files'] or 'none'}; chat template: {done['chat_template']}; "
         "loads with transformers AutoModel.from_pretrained(OUT, trust_remote_code=True)"
     )
     if push_to_hub:
-        print(f"uploaded {out} -> {upload(out, push_to_hub)}")
-    return out
+        print(f"uploaded {target} -> {upload(target, push_to_hub)}")
+    return target
 
 
-def _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, dtype: torch.dtype) -> Path:
-    """--adapter-only: the peft adapter directory + MDLMPE weights + the run's tokenizer files."""
+def _export_adapter(step_dir, saved, out, target, adapters, mdlmpe, spec, dtype: torch.dtype) -> None:
+    """--adapter-only: the peft adapter directory + MDLMPE weights + the run's tokenizer files, written
+    into ``out`` (the staging directory of ``target``)."""
     import shutil
 
     from mdlmpe_ds import lora
@@ -96,7 +107,7 @@ def _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, dtype: torch.d
     base = saved.run_config["model"].get("model_name_or_path") or str(
         lora.find_base_file(step_dir, saved.run_config)
     )
-    out = Path(out)
+    lora.check_base_identity(step_dir, lora.base_source(step_dir, saved.run_config))  # the adapter's base
     files = lora.write_adapter_dir(out, adapters, mdlmpe, spec, base, dtype)
     tokenizer = _tokenizer_dir(saved.tokenizer)
     copied = []
@@ -105,11 +116,10 @@ def _export_adapter(step_dir, saved, out, adapters, mdlmpe, spec, dtype: torch.d
             shutil.copy2(Path(tokenizer) / name, out / name)
             copied.append(name)
     print(
-        f"exported the LoRA adapter of {step_dir} (update {saved.step}) -> {out}: "
+        f"exported the LoRA adapter of {step_dir} (update {saved.step}) -> {target}: "
         f"{', '.join(f.name for f in files)} ({len(adapters)} adapted projections, --lora {spec.text()}); "
         f"base model: {base}; tokenizer files: {copied or 'none'}"
     )
-    return out
 
 
 def _tokenizer_dir(tokenizer: str | None) -> str | None:
@@ -142,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         "--push_to_hub", metavar="REPO", default=None, help="upload the export to this hub repo"
     )
     args = parser.parse_args(argv)
+    from mdlmpe_ds.hub.export_target import ExportTargetError
     from mdlmpe_ds.log_setup import configure
 
     configure(stream="stderr")
-    export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only)
+    try:
+        export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only)
+    except ExportTargetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

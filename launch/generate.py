@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None, out=sys.stdout, stdin=sys.stdin) -> int:
     from mdlmpe_ds.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the completions
+    from mdlmpe_ds.models.device import check_device
+
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     session = Session(args)
     if args.prompt:
         texts = [

@@ -29,6 +29,7 @@ DeepSpeed's own collectives are on device tensors and keep using the default gro
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -120,12 +121,19 @@ def setup_barrier(what: str) -> None:
     if not _active():
         return
     group = _group("setup")
+    start = time.monotonic()
     try:
         dist.barrier(group=group)
     except RuntimeError as err:
-        minutes = _timeouts.get("setup", dist.default_pg_timeout).total_seconds() / 60
+        limit = _timeouts.get("setup", dist.default_pg_timeout).total_seconds()
+        waited = time.monotonic() - start
+        if waited < 0.9 * limit:  # not a timeout: another rank's process ended (its error is above)
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: another rank stopped during {what} after {waited:.0f} s "
+                f"(its own error, printed above or in its log, says why): {err}"
+            ) from err
         raise RuntimeError(
-            f"rank {dist.get_rank()}: not every rank finished {what} within {minutes:g} min "
+            f"rank {dist.get_rank()}: not every rank finished {what} within {limit / 60:g} min "
             f"(train.setup_timeout_min); raise it for a large dataset, or look for a rank that "
             f"failed above: {err}"
         ) from err

@@ -518,7 +518,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         import yaml  # PyYAML comes with transformers/datasets; only needed for YAML files
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:  # its own text names "<unicode string>", not the file
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path}:{where}: not valid YAML: {problem}") from None
     else:
         try:
             data = json.loads(text)

@@ -29,6 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from mdlmpe_ds.lora_base import (  # noqa: F401  (re-exported: where the base is and which it is)
+    IDENTITY_ATTR,
+    base_file,
+    base_identity,
+    base_source,
+    check_base_identity,
+    file_sha256,
+    find_base_file,
+    load_base_file,
+    recorded_base_identity,
+)
 from mdlmpe_ds.lora_spec import (  # noqa: F401  (re-exported: the spec's home)
     ADAPTER,
     BASE_FILE,
@@ -261,10 +272,14 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def write_checkpoint_meta(step_dir: Path, spec: LoraSpec, names: Iterable[str]) -> None:
-    """``lora.json``: the spec and the trainable parameter names the shards hold (checked on resume)."""
+def write_checkpoint_meta(
+    step_dir: Path, spec: LoraSpec, names: Iterable[str], base: dict[str, Any] | None = None
+) -> None:
+    """``lora.json``: the spec, the trainable parameter names the shards hold (checked on resume)
+    and the identity of the frozen base the adapters were trained on (``base_identity``)."""
     tmp = step_dir / (CHECKPOINT_FILE + ".tmp")
-    tmp.write_text(json.dumps({"lora": spec.to_dict(), "trainable": list(names)}, indent=1))
+    meta = {"lora": spec.to_dict(), "trainable": list(names), **({"base": base} if base else {})}
+    tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, step_dir / CHECKPOINT_FILE)
 
 
@@ -312,23 +327,6 @@ def parse_spec_text(file: Path) -> str:
         return "..."
 
 
-def base_file(output_dir: str | Path) -> Path:
-    return Path(output_dir) / BASE_FILE
-
-
-def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
-    """The initial base of a preset LoRA run: next to ``checkpoints/`` of ``step_dir`` (the run may
-    have been moved), else in the recorded output_dir; a clear error when neither holds it."""
-    candidates = [step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{step_dir} is a LoRA checkpoint of a from-scratch model, whose frozen base is kept once in "
-        f"{BASE_FILE} of the run's output_dir; not found at {', '.join(map(str, candidates))}"
-    )
-
-
 def merged_state(
     step_dir: Path, run_config: Mapping[str, Any], state: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -344,15 +342,15 @@ def merged_state(
 def read_base(step_dir: Path, run_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The frozen base of a LoRA checkpoint under plain names: the pretrained directory recorded as
     ``model.model_name_or_path``, or the preset run's ``lora_base.safetensors``."""
-    from safetensors.torch import load_file
-
-    source = run_config["model"].get("model_name_or_path")
-    if source is None:
-        return load_file(str(find_base_file(step_dir, run_config)))
-    from mdlmpe_ds.hub.resolve import resolve_model
     from mdlmpe_ds.models.hf_io import load_pretrained
 
-    model = load_pretrained(resolve_model(source, run_config["model"].get("revision")))
+    source = base_source(step_dir, run_config)
+    if run_config["model"].get("model_name_or_path") is None:
+        tensors = load_base_file(source)  # a truncated file is named as such first
+        check_base_identity(step_dir, source)  # the base it was trained on, not what the path holds now
+        return tensors
+    check_base_identity(step_dir, source)
+    model = load_pretrained(source)
     return {name: p.detach() for name, p in model.named_parameters() if not is_mdlmpe_name(name)}
 
 
@@ -368,6 +366,10 @@ def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, par
         return ""
     if not meta and run.model.model_name_or_path is None:
         keep_base(model, run, resume_from)
+    elif not meta:  # a pretrained directory: the one the checkpoint was trained on, recorded in each save
+        source = Path(run.model.model_name_or_path)
+        recorded = check_base_identity(resume_from, source) if resume_from is not None else None
+        setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
     if not meta:
         import_peft()  # before zero.Init: importing peft inside it fails
     # the adapters are created partitioned, then set to rank 0's deterministic draw (A
@@ -388,7 +390,7 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
     """A from-scratch model's frozen base lives in no pretrained directory, and LoRA checkpoints do
     not hold it: a fresh run writes it once to ``output_dir/lora_base.safetensors`` (rank 0, atomic);
     a resumed run loads it from there (collective)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from mdlmpe_ds import checkpoint as ckpt
     from mdlmpe_ds import engine as eng
@@ -402,15 +404,18 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
             tmp = target.with_name(target.name + ".tmp")
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, target)
+            setattr(model, IDENTITY_ATTR, base_identity(target))  # recorded in every checkpoint (rank 0)
         eng.barrier()
         return
     source = find_base_file(resume_from, ckpt.read_saved_run(resume_from).run_config)
-    tensors = load_file(str(source))
+    tensors = load_base_file(source)  # a truncated file is named as such first
+    recorded = check_base_identity(resume_from, source)  # every rank: the same file, the same verdict
     if sorted(tensors) != sorted(names):
         missing = sorted(set(names) - set(tensors))
         raise ValueError(
             f"{source}: not this model's base (missing {missing[:5]}, has {len(tensors)} tensors)"
         )
+    setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
     eng.copy_into(model, tensors)
 
 
@@ -436,7 +441,7 @@ def checkpoint_load_kwargs(run) -> dict[str, bool]:
 def write_checkpoint_meta_of(step_dir: Path, run, model: nn.Module) -> None:
     spec = spec_of(run)
     if spec is not None:
-        write_checkpoint_meta(step_dir, spec, trainable_names(model))
+        write_checkpoint_meta(step_dir, spec, trainable_names(model), getattr(model, IDENTITY_ATTR, None))
 
 
 def check_resume(step_dir: Path, run, model: nn.Module) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.data import named_corpora as named
+from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
 
 
@@ -99,11 +100,36 @@ def _text_files(spec: str) -> list[Path] | None:
     return None
 
 
+def unknown_corpus(spec: str) -> ValueError | None:
+    """The error for a spec that names no corpus (a typo of a named one, a bare word), or None.
+
+    A hub dataset is named ``org/name`` (optionally ``:config``): a bare word that is neither a named
+    corpus nor a local path would otherwise go to the hub and fail there with a hub error."""
+    import difflib
+
+    name = named.parse_name(spec)[0]
+    if spec in NAMED_CORPORA or name in named.HUB_CORPORA or "/" in spec.split(":", 1)[0]:
+        return None
+    if Path(spec).exists() or Path(spec).suffix in (".txt", *TABULAR_SUFFIXES) or "," in spec:
+        return None
+    known = [*NAMED_CORPORA, *named.HUB_CORPORA]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    guess = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return ValueError(
+        f"corpus {spec!r} is not a named corpus, a local file or directory, or a hub dataset "
+        f"(org/name).{guess} "
+        f"Named corpora: {', '.join(NAMED_CORPORA)}; named hub corpora: {', '.join(named.HUB_CORPORA)}"
+    )
+
+
 def corpus_text_files(spec: str) -> list[Path]:
     """The text files behind ``spec`` when it is a named corpus or local .txt files (for training a
     tokenizer on them); raises for tabular or hub corpora, which need an explicit tokenizer."""
     if spec in NAMED_CORPORA:
         return [named_corpus_file(spec)]
+    error = unknown_corpus(spec)
+    if error is not None:
+        raise error
     files = _text_files(spec)
     if files is None:
         raise ValueError(
@@ -135,7 +161,7 @@ def load_packed_corpus(
     this machine's CPUs (up to 32) for a named hub corpus, else 1.
 
     ``cache_dir``: the corpus is tokenised once into a token store there (data/token_store.py),
-    under a key of what it depends on (the files' paths, sizes and mtimes or the hub name and
+    under a key of what it depends on (the files' paths and content hashes or the hub name and
     slice, the tokenizer, the options; not ``seq_len``, which only cuts the stream), and the windows
     are read from the store's file. Without it the stream is built in memory (small evaluation
     corpora).
@@ -211,7 +237,7 @@ def corpus_documents(
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist")
         st = path.stat()
-        source = {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        source = {"file": str(path.resolve()), "size": st.st_size, "sha256": file_sha256(path)}
         source["builder"] = builder
         return lambda: _dataset_texts(builder, None, "train", str(path), text_column, max_documents), source
     if spec.startswith((".", "/", "~")):
@@ -219,6 +245,9 @@ def corpus_documents(
             f"corpus {spec!r}: no such file or directory (named corpora: "
             f"{', '.join([*NAMED_CORPORA, *named.HUB_CORPORA])})"
         )
+    error = unknown_corpus(spec)
+    if error is not None:
+        raise error
     from mdlmpe_ds.hub.resolve import split_dataset_name
 
     name, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
@@ -237,7 +266,7 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
                 yield detok(doc) if detok else doc
 
     source = {
-        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "files": [(str(f.resolve()), f.stat().st_size, file_sha256(f)) for f in files],
         "documents": mode,
         "detokenizer": detokenizer,
         "corpus": name,

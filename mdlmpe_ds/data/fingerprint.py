@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, read in 16 MiB blocks: the content identity of a source file (a
+    sequential read on one core: 0.2-0.5 GB/s on the project's CI machines, more on a server core
+    with SHA extensions; seconds for a multi-GB jsonl, against minutes to tokenise it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
 
 
 class Fingerprint:

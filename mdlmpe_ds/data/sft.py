@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import socket
+import zipfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,7 @@ import torch
 
 from mdlmpe_ds import stop_request
 from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
+from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -432,8 +434,9 @@ def build_sft_dataset(
     recipe used the first 10,000); ``seed`` fixes the turn drawn by ``multiturn="sample"``.
 
     ``cache_dir``: the tokenised result is saved there under a key of everything it depends on (the
-    source file's size and mtime or the hub name, the tokenizer's vocabulary and template, and every
-    argument above) and loaded instead of rebuilt when the key matches. Writes are atomic, so ranks
+    source file's content hash or the hub name, the tokenizer's vocabulary and template, and every
+    argument above) and loaded instead of rebuilt when the key matches; a damaged cache file is
+    named in a warning and rebuilt. Writes are atomic, so ranks
     may share the folder; to tokenise once, build on rank 0, barrier, then build on the others.
     """
     if family not in DEFAULT_RESPONSE_END:
@@ -468,9 +471,13 @@ def build_sft_dataset(
         }
         cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings, split)}.npz"
         if cache_file.is_file():
-            dataset, stats = _load_cache(cache_file)
-            logger.info("SFT data %s: loaded from cache %s: %s", source, cache_file, stats.summary())
-            return dataset, stats
+            try:
+                dataset, stats = _load_cache(cache_file)
+            except SFTCacheError as err:  # truncated or damaged: tokenised again and replaced
+                logger.warning("%s; tokenising %s again", err, source)
+            else:
+                logger.info("SFT data %s: loaded from cache %s: %s", source, cache_file, stats.summary())
+                return dataset, stats
 
     stats = SFTDataStats()
     reasons: Counter[str] = Counter()
@@ -540,21 +547,25 @@ def build_sft_dataset(
     return dataset, stats
 
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: a local file is keyed by its content hash (1: by size and mtime)
+
+
+class SFTCacheError(ValueError):
+    """A tokenised-SFT cache file that cannot be read (truncated, damaged); names the file."""
 
 
 def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], split: str = "train") -> str:
     """sha256 over the source identity, the tokenizer (vocabulary, merges, template) and the settings.
 
-    A local file is identified by resolved path, size and mtime; a hub dataset or local dataset
+    A local file is identified by resolved path and the SHA-256 of its bytes (content, not names: an
+    edit in place that keeps the size and the mtime gives another key); a hub dataset or local dataset
     directory by its name, split and the ``datasets`` fingerprint of the split (for a hub dataset
     derived from the revision resolved: a new upload gives another key). ``datasets`` itself does
     not notice files of a local directory edited in place: clear its cache and this one for that.
     """
     path = Path(str(source))
     if path.is_file():
-        st = path.stat()
-        ident: dict[str, Any] = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        ident: dict[str, Any] = {"path": str(path.resolve()), "sha256": file_sha256(path)}
     else:
         rows = load_sft_rows(source, split)
         ident = {
@@ -594,13 +605,19 @@ def _save_cache(path: Path, dataset: SFTDataset, stats: SFTDataStats) -> None:
 
 
 def _load_cache(path: Path) -> tuple[SFTDataset, SFTDataStats]:
-    with np.load(path, allow_pickle=False) as z:
-        dataset = SFTDataset()
-        dataset.tokens = z["tokens"]
-        dataset.offsets = z["offsets"]
-        dataset.prompt_lens = z["prompt_lens"]
-        dataset.lengths = np.diff(dataset.offsets)
-        stats = SFTDataStats(**json.loads(str(z["stats"])))
+    """The cached dataset; ``SFTCacheError`` naming ``path`` when it cannot be read whole."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            dataset = SFTDataset()
+            dataset.tokens = z["tokens"]
+            dataset.offsets = z["offsets"]
+            dataset.prompt_lens = z["prompt_lens"]
+            dataset.lengths = np.diff(dataset.offsets)
+            stats = SFTDataStats(**json.loads(str(z["stats"])))
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        raise SFTCacheError(f"SFT token cache {path} is unreadable ({type(err).__name__}: {err})") from err
+    if dataset.offsets.size == 0 or int(dataset.offsets[-1]) != dataset.tokens.size:
+        raise SFTCacheError(f"SFT token cache {path} is inconsistent (offsets do not end at its token count)")
     return dataset, stats
 
 

@@ -6,9 +6,20 @@ Layout of a store directory::
                    when every id fits (vocabulary <= 65,536), else uint32; no header
     doc_ends.npy   int64 [num_docs], the exclusive end offset of each document's separator
     manifest.json  format version, dtype, counts, separator id, the tokenizer's fingerprint, the
-                   source (corpus, split, held-out slice, detokenizer, shard order) and the packed
-                   fingerprint that checkpoints record
-    COMPLETE       written last: a directory without it is never read
+                   source (corpus, split, held-out slice, detokenizer, shard order), the packed
+                   fingerprint that checkpoints record, and a sampled content hash of both data files
+    COMPLETE       written last: the token count and the manifest's SHA-256; a directory without
+                   it is never read
+
+Content, not names: opening checks the data files against the manifest's sampled content hash
+(SHA-256 over 64 chunks of 64 KiB spread evenly over each file, plus its size: 4 MiB read per file
+whatever the corpus size, so every rank can afford it at every start) and the manifest against the
+SHA-256 recorded in ``COMPLETE``. A ``tokens.bin`` overwritten at the same size by another corpus, or
+an edited manifest, is then reported by file name (``open_or_build`` rebuilds such a store) instead
+of being trained on, or of surfacing later as a checkpoint "trained on other data". The full hash
+is the packed fingerprint, computed once over every token at build (reading a 100 GB store in
+full costs minutes per rank, too much for every open); a change confined to bytes between the
+sampled chunks is caught only by that fingerprint, when the store is rebuilt.
 
 The token sequence is exactly the in-memory stream of ``PackedTokenDataset`` (same documents, same
 separators), so windows cut from the store are the same tokens and keep the same indices, and the
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -46,10 +58,64 @@ STORE_VERSION = 1
 COMPLETE = "COMPLETE"
 TOKENS, DOC_ENDS, MANIFEST = "tokens.bin", "doc_ends.npy", "manifest.json"
 _FLUSH_TOKENS = 1 << 22  # write buffer: 4M ids (16 MB as uint32)
+_SAMPLE_CHUNKS, _SAMPLE_BYTES = 64, 1 << 16  # the sampled content hash (module doc)
+_MANIFEST_HASH = "manifest_sha256"
 
 
 class StoreError(RuntimeError):
     """A store that cannot be used as it is (incomplete, damaged, other format); names the file."""
+
+
+class StoreChangedError(StoreError):
+    """A complete store whose files no longer match what was built (edited, overwritten, damaged):
+    ``open_or_build`` builds it again."""
+
+
+def sampled_content_hash(file: Path, chunks: int = _SAMPLE_CHUNKS, chunk_bytes: int = _SAMPLE_BYTES) -> str:
+    """SHA-256 over the size of ``file`` and ``chunks`` chunks of ``chunk_bytes`` at offsets spread
+    evenly from its start to its end (the whole file when smaller than that)."""
+    size = file.stat().st_size
+    h = hashlib.sha256(f"{size}:{chunks}:{chunk_bytes}:".encode())
+    last = max(0, size - chunk_bytes)
+    starts = sorted({last * k // max(1, chunks - 1) for k in range(chunks)})
+    with open(file, "rb") as fh:
+        for start in starts:
+            fh.seek(start)
+            h.update(fh.read(chunk_bytes))
+    return h.hexdigest()
+
+
+def _content_sample(path: Path) -> dict[str, Any]:
+    return {
+        "chunks": _SAMPLE_CHUNKS,
+        "chunk_bytes": _SAMPLE_BYTES,
+        "files": {name: sampled_content_hash(path / name) for name in (TOKENS, DOC_ENDS)},
+    }
+
+
+def _check_manifest(path: Path, raw: bytes) -> None:
+    """The manifest's bytes against the SHA-256 ``COMPLETE`` recorded (older stores have none)."""
+    for line in (path / COMPLETE).read_text(encoding="utf-8").splitlines():
+        key, _, want = line.partition(" ")
+        if key == _MANIFEST_HASH and hashlib.sha256(raw).hexdigest() != want:
+            raise StoreChangedError(
+                f"token store manifest edited or damaged: {path / MANIFEST} (its SHA-256 is not the one "
+                f"recorded in {path / COMPLETE} when the store was built)"
+            )
+
+
+def _check_content(path: Path, manifest: dict[str, Any]) -> None:
+    """The data files against the manifest's sampled hash (older stores have none)."""
+    sample = manifest.get("content_sample")
+    if not sample:
+        return
+    for name, want in sample["files"].items():
+        got = sampled_content_hash(path / name, int(sample["chunks"]), int(sample["chunk_bytes"]))
+        if got != want:
+            raise StoreChangedError(
+                f"token store file changed since it was built: {path / name} (its sampled content hash "
+                f"differs from the one in {path / MANIFEST}; overwritten or damaged)"
+            )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -107,9 +173,11 @@ class TokenStore:
         if not is_complete(path):
             raise StoreError(f"token store {path} is incomplete (no {COMPLETE} marker): an interrupted build")
         try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise StoreError(f"token store manifest {path / MANIFEST} is unreadable: {err}") from err
+            raw = (path / MANIFEST).read_bytes()
+            manifest = json.loads(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise StoreChangedError(f"token store manifest {path / MANIFEST} is unreadable: {err}") from err
+        _check_manifest(path, raw)  # before any count in it is believed
         if manifest.get("version") != STORE_VERSION:
             raise StoreError(
                 f"{path / MANIFEST}: store format {manifest.get('version')!r}, "
@@ -119,7 +187,7 @@ class TokenStore:
         n_tokens, n_docs = int(manifest["num_tokens"]), int(manifest["num_documents"])
         size = (path / TOKENS).stat().st_size if (path / TOKENS).is_file() else -1
         if size != n_tokens * dtype.itemsize:
-            raise StoreError(
+            raise StoreChangedError(
                 f"{path / TOKENS}: {size} bytes, the manifest says {n_tokens} {dtype.name} ids "
                 f"({n_tokens * dtype.itemsize} bytes)"
             )
@@ -128,13 +196,14 @@ class TokenStore:
         try:
             doc_ends = np.load(path / DOC_ENDS, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise StoreError(f"{path / DOC_ENDS} is unreadable: {err}") from err
+            raise StoreChangedError(f"{path / DOC_ENDS} is unreadable: {err}") from err
         last = int(doc_ends[-1]) if doc_ends.size else None
         if doc_ends.shape != (n_docs,) or last != n_tokens:
-            raise StoreError(
+            raise StoreChangedError(
                 f"{path / DOC_ENDS}: shape {doc_ends.shape} ending at {last}, "
                 f"the manifest says {n_docs} documents over {n_tokens} tokens"
             )
+        _check_content(path, manifest)
         return cls(path, manifest, tokens, doc_ends)
 
 
@@ -229,6 +298,15 @@ def _remove_stale(path: Path) -> list[Path]:
     return removed
 
 
+def _set_aside(path: Path) -> None:
+    """Move a changed store out of the way (a rename: readers that have it open keep their files),
+    then delete it. Call holding the build lock."""
+    aside = path.parent / f".{path.name}.changed-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,9 +368,11 @@ def build_store(
             ends = np.load(staging / DOC_ENDS, mmap_mode="r")
             meta.update(fingerprint(tokens, ends))
             del tokens, ends
-        (staging / MANIFEST).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        meta["content_sample"] = _content_sample(staging)
+        text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
+        (staging / MANIFEST).write_text(text, encoding="utf-8")
         with open(staging / COMPLETE, "w") as fh:
-            fh.write(f"{writer.num_tokens}\n")
+            fh.write(f"{writer.num_tokens}\n{_MANIFEST_HASH} {hashlib.sha256(text.encode()).hexdigest()}\n")
             fh.flush()
             os.fsync(fh.fileno())
         try:
@@ -316,16 +396,24 @@ def open_or_build(
     log: Callable[[str], None] | None = None,
 ) -> TokenStore:
     """The store at ``path``: opened when complete, else (under the build lock) the leftovers of an
-    interrupted build removed and ``documents()`` built into it. A resume opens it again."""
+    interrupted build removed and ``documents()`` built into it. A resume opens it again. A complete
+    store whose files changed since its build (``StoreChangedError``: the file is named in the log)
+    is removed and built again."""
     path = Path(path)
+    say = log or (lambda _message: None)
     if is_complete(path):
-        return TokenStore.open(path)
+        try:
+            return TokenStore.open(path)
+        except StoreChangedError as err:
+            say(f"{err}: building it again")
     with _build_lock(path):
         if is_complete(path):  # built by another process while this one waited for the lock
-            return TokenStore.open(path)
+            try:
+                return TokenStore.open(path)
+            except StoreChangedError:
+                _set_aside(path)
         for stale in _remove_stale(path):
-            if log is not None:
-                log(f"token store: removed {stale}, left by an interrupted build")
+            say(f"token store: removed {stale}, left by an interrupted build")
         store = build_store(
             path, documents(), separator_id=separator_id, vocab_size=vocab_size, manifest=manifest,
             fingerprint=fingerprint,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.models.device import check_device
 from mdlmpe_ds.models.hf_io import CONFIG_NAME, load_pretrained
 from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -61,6 +62,7 @@ def load_model(
     """(model in eval mode on ``device`` in ``dtype``, tokenizer directory or None)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} must be one of {sorted(DTYPES)}")
+    check_device(device)  # before minutes of loading, not torch's assertion after them
     path = _local(path, "model")
     if is_hf_dir(path):
         model, tokenizer = load_pretrained(path), str(path)

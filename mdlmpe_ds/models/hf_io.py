@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.models.config import ModelConfig
+from mdlmpe_ds.models.device import check_device
 from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
 from mdlmpe_ds.models.transformer import DiffusionLM, _is_mdlmpe_name
 from mdlmpe_ds.pe.config import MDLMPEConfig, drop_moved_keys
@@ -371,6 +372,8 @@ def load_pretrained(
     tensor is then overwritten, and absent MDLMPE parameters get their initial values (docs/method.md
     "Initialisation").
     """
+    if device is not None:
+        check_device(device)  # a device this machine lacks is named before any weight is read
     config = read_hf_config(path, **overrides)
     model = DiffusionLM(config, device="meta", impl=impl)
     if dtype is not None:

@@ -1,6 +1,8 @@
 """torchrun worker of test_host_collectives.py: ``rank_zero_first`` with a 3 s collective timeout
 and a 2 min setup timeout (3 s in mode ``late``, where rank 0 builds for 8 s and the others must
-fail with a message naming the setting). Usage: setup_worker.py node|two_nodes|late DIR."""
+fail with a message naming the setting; in mode ``fails``, rank 0's build raises after 1 s and the
+others must say that a rank stopped, not that the setup timed out). Usage: setup_worker.py
+node|two_nodes|late|fails DIR."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def main() -> None:
 
         def build() -> int:
             (root / f"start-{rank}").touch()
+            if mode == "fails" and rank == 0:
+                time.sleep(1.0)
+                raise ValueError("SFT token cache x.npz is unreadable (rank 0's own error)")
             if mode in ("node", "late"):
                 if rank == 0:
                     time.sleep(8.0)  # longer than the 3 s collective timeout

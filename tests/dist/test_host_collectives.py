@@ -110,3 +110,19 @@ def test_setup_timeout_names_its_setting(tmp_path):
     assert proc.returncode != 0
     assert "not every rank finished data setup on each node's first rank" in proc.stderr
     assert "train.setup_timeout_min" in proc.stderr
+
+
+def test_a_rank_that_fails_during_setup_is_not_called_a_timeout(tmp_path):
+    """Rank 0 fails in its build after 1 s (say, on a damaged cache file): rank 1 says a rank stopped
+    and after how long, instead of claiming that the 2 min setup timeout ran out."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        str(HERE / "setup_worker.py"), "fails", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode != 0
+    assert "rank 0's own error" in proc.stderr
+    assert "rank 1: another rank stopped during data setup on each node's first rank after" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    assert "within 2 min" not in proc.stderr

@@ -136,6 +136,8 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
 
     adapter = export.export(lora_straight / "checkpoints" / "latest", tmp_path / "adapter", adapter_only=True)
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    # staged and swapped in like the merged export: readable by others (safetensors writes 0600)
+    assert {oct(p.stat().st_mode & 0o777) for p in adapter.iterdir()} == {"0o644"}
     plain = DiffusionLM(model.config)
     shapes = {n: p.shape for n, p in plain.named_parameters()}
     weights = {**load_file(str(lora_straight / BASE_FILE)), **load_file(str(adapter / MDLMPE_FILE))}
@@ -178,3 +180,41 @@ def test_lora_on_a_pretrained_directory_resumes_and_exports_from_the_base_name(
         trained = state.get(name, state.get(name.replace(".weight", ".base_layer.weight")))
         if ".phase." not in name and not name.startswith("embed.mdlmpe."):
             assert torch.equal(trained, param.detach()), name
+
+
+def test_a_copied_run_refuses_a_base_path_reused_by_another_run(lora_straight, sft_data, tmp_path):
+    """Each LoRA checkpoint records the SHA-256 of the base it was trained on. A run copied without
+    lora_base.safetensors falls back to the base in its recorded output_dir; once another run has
+    written another base there, resume, export and evaluation refuse, naming the file (before, the
+    resume trained on the other base: different losses)."""
+    from safetensors.torch import load_file, save_file
+
+    from mdlmpe_ds.evaluation.loading import load_model
+    from mdlmpe_ds.lora import BASE_FILE, file_sha256
+
+    step = lora_straight / "checkpoints" / "step_000004"
+    recorded = lora_straight / BASE_FILE
+    saved = json.loads((step / "lora.json").read_text())["base"]
+    assert saved == {"kind": "file", "sha256": file_sha256(recorded)}
+    copied = tmp_path / "copied"
+    shutil.copytree(step, copied / "checkpoints" / step.name)
+    export = launch_module("export")
+    original = recorded.read_bytes()
+    try:
+        # another run in the recorded output_dir: another initial base, same names and shapes
+        gen = torch.Generator().manual_seed(1)
+        base = load_file(str(recorded))
+        other = {k: torch.randn(v.shape, generator=gen).to(v.dtype) * 0.02 for k, v in base.items()}
+        save_file(other, str(recorded), metadata={"format": "pt"})
+        want = f"{recorded}: not the base this LoRA checkpoint was trained on"
+        resumed = launch([*sft_data, *BASE_ARGS, *LORA, "--output_dir", str(copied), "--resume", "auto"])
+        assert resumed.returncode != 0 and want in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+        assert f"copy the run's own {BASE_FILE}" in resumed.stdout + resumed.stderr
+        assert not (copied / "metrics.jsonl").exists() or not metrics(copied)  # nothing trained
+        with pytest.raises(ValueError, match=want):
+            export.export(copied, tmp_path / "merged")
+        with pytest.raises(ValueError, match=want):
+            load_model(copied)
+    finally:
+        recorded.write_bytes(original)
+    assert export.export(copied, tmp_path / "merged").is_dir()  # the recorded base back: it exports

@@ -205,3 +205,42 @@ def test_export_load_same_logits(straight, tmp_path):
     with torch.no_grad():
         hf_logits = hf(probe["input_ids"], attention_mask=probe["valid"].long()).logits.float()
     torch.testing.assert_close(hf_logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_reexport_sharded_over_a_single_file_export_and_into_the_checkpoint(straight, tmp_path, capsys):
+    """Re-exporting the newest checkpoint sharded where an older one was exported as one file: no
+    stale model.safetensors stays (transformers would load it while hf_io loads the shards), both
+    loaders give the newest checkpoint's logits, and every file is 0644. An export into the
+    checkpoint itself is refused by name and leaves the checkpoint intact."""
+    import stat
+
+    from transformers import AutoModel
+
+    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds.models.hf_io import load_pretrained
+
+    export = launch_module("export")
+    out = tmp_path / "export"
+    export.export(straight / "checkpoints" / "step_000004", out)
+    assert (out / "model.safetensors").is_file()
+    export.export(
+        straight / "checkpoints" / "latest", out, max_shard_gb=0.0001
+    )  # update 8, sharded (~100 KB shards)
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").is_file()
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
+    probe = torch.load(straight / "probe.pt")  # the engine's logits after update 8
+    hf = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    ours = load_pretrained(out).eval()
+    with torch.no_grad():
+        got_hf = hf(probe["input_ids"], attention_mask=probe["valid"].long()).logits.float()
+        got_ours = ours(probe["input_ids"], valid=probe["valid"]).float()
+    torch.testing.assert_close(got_hf, probe["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_ours, probe["logits"], rtol=1e-5, atol=1e-5)
+
+    step = straight / "checkpoints" / "step_000008"
+    before = (step / "config.json").read_bytes()
+    assert export.main([str(step), str(step)]) == 2
+    err = capsys.readouterr().err
+    assert f"export target {step.resolve()} is the checkpoint being exported" in err, err
+    assert (step / "config.json").read_bytes() == before and ckpt.verify(step) == []

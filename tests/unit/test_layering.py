@@ -26,6 +26,7 @@ LEVELS: dict[str, int] = {
     "trainer": 72,  # the loop
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
     "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
+    "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
     "tracking": 62,
     "lifecycle": 62,
     "log_setup": 62,

@@ -222,6 +222,61 @@ def test_find_base_file_names_where_it_looked(tmp_path):
     assert lora.find_base_file(step, config) == tmp_path / "run" / lora.BASE_FILE
 
 
+def _preset_lora_checkpoint(tmp_path, base=None):
+    """A preset LoRA run's layout: output_dir/lora_base.safetensors and a step directory whose
+    lora.json records ``base`` (the identity of the base it was trained on)."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    tensors = {n: p.detach().clone() for n, p in _tiny().named_parameters() if not lora.is_mdlmpe_name(n)}
+    save_file(tensors, str(run / lora.BASE_FILE), metadata={"format": "pt"})
+    spec = lora.parse("r=4,targets=q,v")
+    lora.write_checkpoint_meta(step, spec, [], base)
+    config = {"train": {"output_dir": str(run)}, "model": {"model_name_or_path": None}}
+    return run, step, config, tensors
+
+
+def test_base_identity_is_checked_when_the_base_is_read_again(tmp_path):
+    run, step, config, tensors = _preset_lora_checkpoint(tmp_path)
+    identity = lora.base_identity(run / lora.BASE_FILE)
+    lora.write_checkpoint_meta(step, lora.parse("r=4,targets=q,v"), [], identity)
+    assert lora.recorded_base_identity(step) == identity and identity["kind"] == "file"
+    assert sorted(lora.read_base(step, config)) == sorted(tensors)  # the same base: read
+    from safetensors.torch import save_file
+
+    other = {n: t + 1 for n, t in tensors.items()}  # another run's base: same names and shapes
+    save_file(other, str(run / lora.BASE_FILE), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"lora_base\.safetensors: not the base this LoRA checkpoint was trained on"
+    ):
+        lora.read_base(step, config)
+    # a checkpoint from before identities were recorded is read as it is
+    lora.write_checkpoint_meta(step, lora.parse("r=4,targets=q,v"), [])
+    assert sorted(lora.read_base(step, config)) == sorted(tensors)
+
+
+def test_a_pretrained_directory_base_is_identified_by_sampled_digests(tmp_path):
+    from mdlmpe_ds.models.hf_io import save_pretrained
+
+    model = _tiny()
+    save_pretrained(model, tmp_path / "base", model.config)
+    identity = lora.base_identity(tmp_path / "base")
+    assert identity["kind"] == "directory" and set(identity["files"]) == {"config.json", "model.safetensors"}
+    save_pretrained(DiffusionLM(model.config), tmp_path / "base", model.config)  # another init
+    assert lora.base_identity(tmp_path / "base") != identity
+
+
+def test_a_truncated_base_file_is_named(tmp_path):
+    run, step, config, _ = _preset_lora_checkpoint(tmp_path)
+    file = run / lora.BASE_FILE
+    with open(file, "r+b") as fh:
+        fh.truncate(file.stat().st_size // 2)
+    with pytest.raises(ValueError, match=rf"{file}: the LoRA run's frozen base cannot be read .*truncated"):
+        lora.read_base(step, config)
+
+
 # ------------------------------------------------------------------------------------ dry run
 def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(capsys, monkeypatch):
     from mdlmpe_ds import engine as eng

@@ -721,6 +721,47 @@ def test_cache_roundtrip_and_invalidation(tmp_path, llada_tok, caplog):
     assert rebuilt[1] == rebuilt[0] and len(list(cache.glob("sft-*.npz"))) == 3
 
 
+def test_cache_is_keyed_by_content_an_edit_keeping_size_and_mtime_is_seen(tmp_path, llada_tok):
+    """An in-place edit that keeps the file's size and mtime (a same-length answer changed, the
+    timestamp put back) is another cache entry: the new tokens are used, and so the data check of a
+    resume sees another fingerprint."""
+    import os
+
+    from mdlmpe_ds.data.fingerprint import sft_fingerprint
+
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}])
+    cache = tmp_path / "cache"
+    built, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
+    st = os.stat(src)
+    with open(src) as fh:
+        text = fh.read()
+    answer = CONV[-1]["content"]
+    edited = answer[::-1]
+    assert len(edited) == len(answer) and edited != answer
+    with open(src, "r+") as fh:
+        fh.write(text.replace(answer, edited))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(src).st_size == st.st_size and os.stat(src).st_mtime_ns == st.st_mtime_ns
+    again, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(list(cache.glob("sft-*.npz"))) == 2
+    assert sft_fingerprint(again, llada_tok) != sft_fingerprint(built, llada_tok)
+
+
+def test_a_truncated_cache_file_is_named_and_rebuilt(tmp_path, llada_tok, caplog):
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}, {"messages": MULTI}])
+    cache = tmp_path / "cache"
+    built, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
+    (file,) = cache.glob("sft-*.npz")
+    with open(file, "r+b") as fh:
+        fh.truncate(file.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft"):
+        again, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert f"SFT token cache {file} is unreadable" in caplog.text and "tokenising" in caplog.text
+    assert [again[i] for i in range(len(again))] == [built[i] for i in range(len(built))]
+    loaded, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)  # replaced whole
+    assert len(loaded) == len(built)
+
+
 def test_cache_writers_on_two_nodes_never_share_a_temporary_file(tmp_path, llada_tok, monkeypatch):
     """Each node's first rank may write the same entry into a shared cache folder at once, and two
     nodes can run the same pid: the temporary file (renamed into place) is named by host and pid."""

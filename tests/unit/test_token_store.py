@@ -29,6 +29,7 @@ from mdlmpe_ds.data.fingerprint import Fingerprint, packed_fingerprint
 from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate
 from mdlmpe_ds.data.token_store import (
     COMPLETE,
+    StoreChangedError,
     StoreError,
     TokenStore,
     build_store,
@@ -142,6 +143,79 @@ def test_store_format_dtype_and_damage_are_named(tmp_path):
     (tmp_path / "s" / "manifest.json").write_text("{")
     with pytest.raises(StoreError, match=r"manifest\.json is unreadable"):
         TokenStore.open(tmp_path / "s")
+
+
+# ------------------------------------------------------------------------------------ content, not names
+def test_tokens_overwritten_at_the_same_size_are_named_and_rebuilt(tmp_path):
+    """Another corpus written over ``tokens.bin`` at the same size (same manifest, same counts):
+    opening names the file instead of training on it; open_or_build builds the store again from
+    its documents. The sampled hash reads 64 chunks, so a change anywhere in a small file shows."""
+    path = tmp_path / "stores" / "store-x"
+    store = open_or_build(path, _docs, separator_id=0, vocab_size=1000)
+    original = np.array(store.tokens)
+    tokens = path / "tokens.bin"
+    other = np.array(original[::-1])  # same size, same ids, other order: another corpus
+    tokens.write_bytes(other.tobytes())
+    assert tokens.stat().st_size == original.nbytes
+    with pytest.raises(
+        StoreChangedError, match=r"token store file changed since it was built: .*tokens\.bin"
+    ):
+        TokenStore.open(path)
+    logs: list[str] = []
+    again = open_or_build(path, _docs, separator_id=0, vocab_size=1000, log=logs.append)
+    assert any(str(tokens) in m and "building it again" in m for m in logs), logs
+    assert np.array_equal(again.tokens, original)
+    # One changed id in the middle of the file is caught as well (it lies in a sampled chunk).
+    ids = np.array(again.tokens)
+    ids[len(ids) // 2] += 1
+    tokens.write_bytes(ids.tobytes())
+    with pytest.raises(StoreChangedError, match=r"tokens\.bin"):
+        TokenStore.open(path)
+
+
+def test_an_edited_manifest_is_named_not_taken_for_other_data(gpt2, assets, tmp_path):
+    """A store manifest edited by hand (its recorded fingerprint, here) is reported as "manifest
+    edited or damaged: <file>" and the store is built again, so a resume sees the true fingerprint of
+    its data instead of calling it "other data"."""
+    corpus = str(assets("shakespeare").shakespeare("valid"))
+    stored = load_packed_corpus(corpus, gpt2, 64, split="paragraph", cache_dir=tmp_path / "stores")
+    want = packed_fingerprint(stored, gpt2)
+    manifest_file = stored.store.path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["packed_fingerprint"] = "0" * 64
+    manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    with pytest.raises(StoreChangedError, match=rf"manifest edited or damaged: {manifest_file}"):
+        TokenStore.open(stored.store.path)
+    again = load_packed_corpus(corpus, gpt2, 64, split="paragraph", cache_dir=tmp_path / "stores")
+    assert packed_fingerprint(again, gpt2) == want
+
+
+def test_a_text_corpus_edited_in_place_keeping_size_and_mtime_gets_its_own_store(gpt2, tmp_path):
+    """The store key of a local corpus file is its content hash, not (path, size, mtime): an edit
+    that keeps both is tokenised anew, not served from the store of the old text."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n\n" * 40)
+    first = load_packed_corpus(str(corpus), gpt2, 16, split="paragraph", cache_dir=tmp_path / "stores")
+    st = corpus.stat()
+    corpus.write_text("the quick brown cat jumps over the lazy dog\n\n" * 40)  # same length
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert corpus.stat().st_size == st.st_size and corpus.stat().st_mtime_ns == st.st_mtime_ns
+    second = load_packed_corpus(str(corpus), gpt2, 16, split="paragraph", cache_dir=tmp_path / "stores")
+    assert second.store.path != first.store.path
+    assert "cat" in gpt2.decode(second[0]["input_ids"].tolist()) and "cat" not in gpt2.decode(
+        first[0]["input_ids"].tolist()
+    )
+
+
+def test_stores_built_before_content_hashes_still_open(tmp_path):
+    """A store written by an earlier version (no sampled hash, a COMPLETE with the count only)."""
+    path = tmp_path / "old"
+    build_store(path, _docs(20), separator_id=0, vocab_size=1000)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["content_sample"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / COMPLETE).write_text(f"{manifest['num_tokens']}\n")
+    assert TokenStore.open(path).manifest["num_documents"] == 20
 
 
 # ------------------------------------------------------------------------------------ interrupted builds

@@ -1,0 +1,167 @@
+"""Where an export may be written, and how it replaces an earlier one without leaving stale files.
+
+An export directory is built whole in a staging directory next to its target
+(``.<name>.exporting-<host>-<pid>``) and swapped in by two renames (the earlier export aside, the new
+one in, then the earlier one deleted). So a reader never sees a mix: a single-file
+``model.safetensors`` from an earlier export cannot survive next to a new sharded export (where
+`transformers` would load the old weights and ``hf_io`` the new ones), and an interrupted export
+leaves the earlier one in place. Every file is made readable by others (0644 under the usual umask
+022): an export is meant to be shared, and `safetensors` writes its files 0600.
+
+The target is refused, by name, when the swap would destroy something that is not an export:
+- a checkpoint directory, the ``checkpoints/`` folder or anything inside them (an export into
+  ``STEP`` would overwrite the checkpoint's own ``config.json`` and make it unusable);
+- a training run's output_dir itself, or a directory that holds the checkpoint being exported;
+- an existing directory holding files an export never writes (they would be deleted).
+A new folder inside a run's output_dir (``outputs/run/export``) is fine: nothing of the run lives there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import re
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from mdlmpe_ds.hub.export import TOKENIZER_FILES
+
+#: Every name an export (merged, or --adapter-only) may write; anything else in an existing target is
+#: the user's, and an export refuses to delete it.
+EXPORT_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "modeling_mdlmpe.py",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "mdlmpe.safetensors",
+    "README.md",
+    *TOKENIZER_FILES,
+)
+_STEP_NAME = re.compile(r"^step_\d{6,}")
+_STAGING_INFIX = ".exporting-"
+_ASIDE_INFIX = ".replaced-"
+
+
+class ExportTargetError(ValueError):
+    """An export target whose replacement would destroy a checkpoint, a run or the user's files."""
+
+
+def _is_checkpoint(path: Path) -> bool:
+    named = bool(_STEP_NAME.match(path.name)) and path.parent.name == "checkpoints"
+    return named or ((path / "COMPLETE").is_file() and (path / "ds").is_dir())
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir()
+
+
+def check_target(out: str | Path, checkpoint: str | Path) -> Path:
+    """``out`` resolved, after the refusals of the module doc; ``checkpoint`` is the step directory
+    being exported."""
+    out, checkpoint = Path(out).resolve(), Path(checkpoint).resolve()
+    advice = "choose a new directory outside the checkpoints, e.g. <output_dir>/export"
+    if out == checkpoint or checkpoint in out.parents:
+        relation = "is" if out == checkpoint else "is inside"
+        raise ExportTargetError(
+            f"export target {out} {relation} the checkpoint being exported ({checkpoint}); {advice}"
+        )
+    if out in checkpoint.parents:
+        raise ExportTargetError(
+            f"export target {out} holds the checkpoint being exported ({checkpoint}): replacing it "
+            f"would delete the run; {advice}"
+        )
+    for place in (out, *out.parents):
+        if _is_checkpoint(place):
+            raise ExportTargetError(f"export target {out} is inside the checkpoint {place}; {advice}")
+        if place.name == "checkpoints" and _is_run_dir(place.parent):
+            raise ExportTargetError(f"export target {out} is inside the checkpoints folder {place}; {advice}")
+    if _is_run_dir(out):
+        raise ExportTargetError(f"export target {out} is a training run's output_dir; {advice}")
+    if out.exists() and not out.is_dir():
+        raise ExportTargetError(f"export target {out} exists and is not a directory")
+    if out.is_dir():
+        foreign = sorted(
+            p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, pat) for pat in EXPORT_PATTERNS)
+        )
+        if foreign:
+            shown = ", ".join(foreign[:8]) + (" ..." if len(foreign) > 8 else "")
+            raise ExportTargetError(
+                f"export target {out} holds files an export does not write ({shown}); replacing it would "
+                "delete them: choose a new or empty directory, or move them away"
+            )
+    return out
+
+
+def _modes(root: Path) -> None:
+    """Files 0644 and folders 0755, less what the umask takes away (an export is for others)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o755 & ~mask)
+    for path in root.rglob("*"):
+        os.chmod(path, (0o755 if path.is_dir() else 0o644) & ~mask)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_debris(out: Path) -> None:
+    """Staging and set-aside directories of ``out`` left by an export killed on this host (its
+    process is gone): they hold a partial or a superseded export, never the current one."""
+    host = socket.gethostname()
+    for infix in (_STAGING_INFIX, _ASIDE_INFIX):
+        for path in out.parent.glob(f".{out.name}{infix}*"):
+            owner_host, _, pid = path.name.split(infix, 1)[1].rpartition("-")
+            if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A fresh staging directory next to ``out``; after the block, ``out`` is exactly what was
+    written there (module doc). On an error the staging directory goes and ``out`` is untouched."""
+    tag = f"{socket.gethostname()}-{os.getpid()}"
+    staging = out.parent / f".{out.name}{_STAGING_INFIX}{tag}"
+    aside = out.parent / f".{out.name}{_ASIDE_INFIX}{tag}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_debris(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        _modes(staging)
+        for path in [*staging.rglob("*"), staging]:
+            _fsync(path)
+        if out.exists():
+            os.rename(out, aside)
+        try:
+            os.rename(staging, out)
+        except OSError:
+            if aside.exists():
+                os.rename(aside, out)  # the earlier export back in place
+            raise
+        _fsync(out.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)

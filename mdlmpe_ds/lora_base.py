@@ -1,0 +1,138 @@
+"""The frozen base of a LoRA run: where it is found again, and whether it is the one its adapters
+were trained on.
+
+Adapters are meaningless on another base, and the base is found again by a path that may since hold
+another one: a from-scratch (preset) run keeps its initial base once in ``lora_base.safetensors``
+of its output_dir (looked for next to the checkpoint's ``checkpoints/``, then in the recorded
+output_dir, which another run may have reused), a pretrained base is ``model_name_or_path`` (which
+may have been replaced by another model or revision). So each LoRA checkpoint records the identity
+of its base in ``lora.json`` and every place that reads the base again (resume, export, evaluation)
+checks it, refusing another base by name.
+
+Which identity: a preset's base file (written by us, at most a few hundred MB) by the SHA-256 of all
+its bytes, i.e. its header (names, dtypes, shapes) and every tensor. A pretrained directory (16 GB
+for an 8B model: about a minute to hash in full at the 0.2-0.5 GB/s one core gives, on every resume
+and export) by the size and a sampled CRC-32 (head, middle, tail; ``checkpoint.sampled_crc32``) of
+its config.json and every weight file: another model, another revision or a re-converted copy
+changes those; an edit of a few bytes between the samples would not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mdlmpe_ds.data.fingerprint import file_sha256
+from mdlmpe_ds.lora_spec import BASE_FILE, CHECKPOINT_FILE
+
+
+def base_file(output_dir: str | Path) -> Path:
+    return Path(output_dir) / BASE_FILE
+
+
+def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
+    """The initial base of a preset LoRA run: next to ``checkpoints/`` of ``step_dir`` (the run may
+    have been moved), else in the recorded output_dir; a clear error when neither holds it."""
+    candidates = [step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{step_dir} is a LoRA checkpoint of a from-scratch model, whose frozen base is kept once in "
+        f"{BASE_FILE} of the run's output_dir; not found at {', '.join(map(str, candidates))}"
+    )
+
+
+IDENTITY_ATTR = "_lora_base_identity"  # set on the model by lora.attach, read by each checkpoint save
+
+
+def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:
+    from mdlmpe_ds import checkpoint as ckpt
+
+    names = sorted({"config.json", *(p.name for p in directory.glob("*.safetensors"))})
+    out = {}
+    for name in names:
+        file = directory / name
+        if file.is_file():
+            size = file.stat().st_size
+            out[name] = {"size": size, "crc32": ckpt.sampled_crc32(file, size)}
+    return out
+
+
+def base_identity(source: Path) -> dict[str, Any]:
+    """The identity of a base: ``{"sha256"}`` of a preset's base file, ``{"files"}`` of a directory."""
+    source = Path(source)
+    if source.is_dir():
+        return {"kind": "directory", "files": _directory_digest(source)}
+    return {"kind": "file", "sha256": file_sha256(source)}
+
+
+def recorded_base_identity(step_dir: Path) -> dict[str, Any] | None:
+    """The base identity ``step_dir``'s lora.json records (None: a checkpoint from before it was)."""
+    try:
+        return json.loads((step_dir / CHECKPOINT_FILE).read_text()).get("base")
+    except (OSError, ValueError):
+        return None
+
+
+def check_base_identity(step_dir: Path, source: Path) -> dict[str, Any] | None:
+    """Refuse a base ``source`` that is not the one ``step_dir`` was trained on; returns the recorded
+    identity (None when the checkpoint records none)."""
+    want = recorded_base_identity(step_dir)
+    if want is None:
+        return None
+    got = base_identity(source)
+    same = (
+        got.get("sha256") == want.get("sha256")
+        if want.get("kind") == "file"
+        else got.get("files") == want.get("files")
+    )
+    if not same:
+        where = (
+            f"a from-scratch run keeps its base in {BASE_FILE} of its output_dir: copy the run's own "
+            f"{BASE_FILE} into {step_dir.parent.parent}"
+            if want.get("kind") == "file"
+            else "model_name_or_path must name the pretrained model it was trained on"
+        )
+        raise ValueError(
+            f"{source}: not the base this LoRA checkpoint was trained on ({step_dir / CHECKPOINT_FILE} "
+            f"records {_short(want)}, this base has {_short(got)}); the path may have been reused by "
+            f"another run or the model replaced since. {where}"
+        )
+    return want
+
+
+def _short(identity: Mapping[str, Any]) -> str:
+    if identity.get("kind") == "file":
+        return f"SHA-256 {str(identity.get('sha256'))[:16]}..."
+    files = identity.get("files") or {}
+    return f"{len(files)} files of {sum(f['size'] for f in files.values()):,} bytes (sizes + sampled CRC-32)"
+
+
+def base_source(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
+    """Where the frozen base of a LoRA checkpoint is read from (the pretrained directory, resolved;
+    or the preset run's base file)."""
+    source = run_config["model"].get("model_name_or_path")
+    if source is None:
+        return find_base_file(step_dir, run_config)
+    from mdlmpe_ds.hub.resolve import resolve_model
+
+    return Path(resolve_model(source, run_config["model"].get("revision")))
+
+
+def load_base_file(path: Path) -> dict[str, torch.Tensor]:
+    """A preset run's base file, or an error naming it when it cannot be read (truncated, damaged)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(
+            f"{path}: the LoRA run's frozen base cannot be read ({err}); it is truncated or damaged: "
+            f"restore the run's {BASE_FILE} from a copy"
+        ) from err
