@@ -9,8 +9,9 @@ exactly the same numbers, whatever the batch, the rank layout or the machine.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -52,3 +53,28 @@ def corruption_draws(
         t[row] = torch.rand((), generator=g, dtype=torch.float64)
         u[row] = torch.rand(length, generator=g, dtype=torch.float64)
     return t, u
+
+
+#: Initial-weight streams of the modules one position encoding has and another has not (the
+#: MDLMPE encoder's W_p, each layer's phase MLP, the absolute position table): their own streams, so
+#: the backbone's draws are the same for every encoding of one seed.
+INIT_STREAMS = {"mdlmpe_encoder": 1, "phase_mlp": 2, "absolute_positions": 3}
+
+
+@contextlib.contextmanager
+def init_stream(tag: str, *index: int) -> Iterator[None]:
+    """Inside: torch's global generator (and the current CUDA device's, when CUDA is in use) draws
+    from a stream of its own, seeded by (the global seed, ``INIT_STREAMS[tag]``, ``index``); on exit
+    the global streams continue exactly where they were, as if nothing had been drawn.
+
+    A model of one seed then starts from bit-identical backbone weights whatever position modules
+    it builds between the backbone's layers (a matched comparison changes only the position module,
+    docs/method.md "Initialisation"), and each optional module's initial values depend on the seed
+    and its own key only (layer i's phase MLP: index i)."""
+    seed = mix_seed(torch.initial_seed(), INIT_STREAMS[tag], *index)
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed(seed)
+        yield

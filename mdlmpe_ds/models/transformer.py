@@ -52,6 +52,7 @@ from mdlmpe_ds.pe.alibi import alibi_bias
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
 from mdlmpe_ds.pe.phase import PhaseMLP
 from mdlmpe_ds.pe.rope import apply_rotary, rotary_angles
+from mdlmpe_ds.seeding import init_stream
 
 
 class SwiGLU(nn.Module):
@@ -82,9 +83,12 @@ class LayerContext:
 class Attention(nn.Module):
     """Bidirectional multi-head / grouped-query attention with the configured position encoding."""
 
-    def __init__(self, config: ModelConfig, device=None, impl: AttentionImpl | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, device=None, impl: AttentionImpl | None = None, layer_index: int = 0
+    ) -> None:
         super().__init__()
         self.config = config
+        self.layer_index = layer_index
         self.impl = impl if impl is not None else AttentionImpl()
         d, hd, std = config.hidden_size, config.head_dim, config.init_std
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
@@ -94,7 +98,8 @@ class Attention(nn.Module):
         self.o_proj = NormalLinear(config.num_heads * hd, d, False, std, device)
         if config.position_encoding == "mdlmpe":
             num_pairs = hd // 2
-            self.phase = PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
+            with init_stream("phase_mlp", layer_index):  # the backbone's draws stay those of RoPE
+                self.phase = PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
         else:
             self.phase = None
         # Per-KV-head MDLMPE switch (docs/method.md "Heads"); not a checkpoint tensor.
@@ -157,10 +162,12 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (LLaDA ``LLaDALlamaBlock`` / Qwen2 decoder layer, without the mask)."""
 
-    def __init__(self, config: ModelConfig, device=None, impl: AttentionImpl | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, device=None, impl: AttentionImpl | None = None, layer_index: int = 0
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.attn = Attention(config, device, impl)
+        self.attn = Attention(config, device, impl, layer_index)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = SwiGLU(config, device)
 
@@ -198,23 +205,24 @@ class InputEmbedding(nn.Module):
         self.tokens = NormalEmbedding(
             config.vocab_size, config.hidden_size, config.embedding_padding_idx, config.init_std, device
         )
-        self.positions = (
-            LearnedPositionEmbedding(config.max_seq_len, config.hidden_size, config.init_std, device)
-            if config.position_encoding == "absolute"
-            else None
-        )
-        self.mdlmpe = (
-            MDLMPEEncoder(
-                config.mdlmpe,
-                config.head_dim,
-                config.hidden_size,
-                config.rope_theta,
-                config.mask_token_id,
-                device=device,
-            )
-            if config.position_encoding == "mdlmpe"
-            else None
-        )
+        # The position modules draw from streams of their own (seeding.init_stream): the backbone's
+        # initial weights are the same for every encoding of one seed.
+        self.positions = self.mdlmpe = None
+        if config.position_encoding == "absolute":
+            with init_stream("absolute_positions"):
+                self.positions = LearnedPositionEmbedding(
+                    config.max_seq_len, config.hidden_size, config.init_std, device
+                )
+        if config.position_encoding == "mdlmpe":
+            with init_stream("mdlmpe_encoder"):
+                self.mdlmpe = MDLMPEEncoder(
+                    config.mdlmpe,
+                    config.head_dim,
+                    config.hidden_size,
+                    config.rope_theta,
+                    config.mask_token_id,
+                    device=device,
+                )
 
     def forward(
         self, input_ids: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor | None = None
@@ -250,7 +258,7 @@ class DiffusionLM(nn.Module):
         self.impl = (impl if impl is not None else AttentionImpl()).validate()
         self.recompute = (recompute if recompute is not None else Recompute()).validate()
         self.embed = InputEmbedding(config, device)
-        self.layers = nn.ModuleList(Block(config, device, self.impl) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, device, self.impl, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.lm_head = NormalLinear(config.hidden_size, config.vocab_size, False, config.init_std, device)
         self.tie_weights()
@@ -426,14 +434,16 @@ class DiffusionLM(nn.Module):
         context = gathered([params[n] for n in names], modifier_rank=0) if gathered else nullcontext()
         with context:
             if self.embed.mdlmpe is not None:
-                self.embed.mdlmpe.reset_parameters()
-                if self.embed.mdlmpe.coordinate is not None:  # ablation "MLP instead of the basis"
-                    for module in self.embed.mdlmpe.coordinate.modules():
-                        if isinstance(module, nn.Linear):
-                            module.reset_parameters()
+                with init_stream("mdlmpe_encoder"):  # the stream construction drew from
+                    self.embed.mdlmpe.reset_parameters()
+                    if self.embed.mdlmpe.coordinate is not None:  # ablation "MLP instead of the basis"
+                        for module in self.embed.mdlmpe.coordinate.modules():
+                            if isinstance(module, nn.Linear):
+                                module.reset_parameters()
             for layer in self.layers:
                 if layer.attn.phase is not None:
-                    layer.attn.phase.reset_parameters()
+                    with init_stream("phase_mlp", layer.attn.layer_index):
+                        layer.attn.phase.reset_parameters()
 
 
 def _is_mdlmpe_name(name: str) -> bool:
