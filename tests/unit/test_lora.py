@@ -301,7 +301,7 @@ def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(cap
 
 
 def test_memory_plan_of_llada_8b_with_lora():
-    """The README's numbers: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
+    """The numbers of docs/gpu.md: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
     from mdlmpe_ds import engine as eng
     from mdlmpe_ds.config import build_config
     from mdlmpe_ds.memory_plan import plan_memory
