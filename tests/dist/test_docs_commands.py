@@ -466,7 +466,7 @@ def _lm_eval_on_cpu(cmd: Command, root: Path) -> list[str]:
 
 
 # CPU sizes appended to a tool's documented arguments when it runs here (the last value wins).
-SMALL = {"launch/evaluate.py": ["--max_sequences", "4", "--num_samples", "2"]}
+SMALL = {"launch/evaluate.py": ["--max_sequences", "4", "--num_samples", "4"]}
 
 _NO_MDLMPE_DS = 'import sys\nsys.modules["mdlmpe_ds"] = None  # the project cannot be imported here\n'
 
