@@ -7,7 +7,7 @@
 2. The scored-positions head: peak live bytes of ``scored_cross_entropy`` fwd + bwd on M rows in
    chunks, real vocabulary, next to the plan's ``head_bytes`` (fp32).
 3. The per-GPU plan of LLaDA-8B and Dream-7B SFT on 8 GPUs (bf16, ZeRO-3, with and without
-   offload) for micro-batches 1, 2, 4 at L = 2048 and 4096 -- the README's GPU table.
+   offload) for micro-batches 1, 2, 4 at L = 2048 and 4096 -- the table of docs/gpu.md.
 
     python benchmarks/memory_plan_check.py               # all three (~2-3 min, ~2 GB RAM)
     python benchmarks/memory_plan_check.py --plans-only  # 3. only (seconds)

@@ -15,8 +15,12 @@ A LoRA checkpoint (`--lora`, mdlmpe_ds/lora.py) holds the adapters and the MDLMP
 base is read from the run's `model_name_or_path` (or, for a from-scratch preset, the run's
 `lora_base.safetensors`). `--merge` (the default) writes W + (alpha / r) B A into the one
 consolidated model above, the same format as a full fine-tune; `--adapter-only` writes a
-peft-loadable adapter directory (adapter_config.json + adapter_model.safetensors) plus the trained
-MDLMPE weights (mdlmpe.safetensors) and the run's tokenizer files.
+peft adapter directory (adapter_config.json + adapter_model.safetensors, addressed to the exported
+model's modules, the MDLMPE modules carried whole) plus the trained MDLMPE weights under our names
+(mdlmpe.safetensors) and the run's tokenizer files; `--base-only` writes the base with the trained
+MDLMPE weights and no adapters, the model that adapter loads onto:
+
+    model = PeftModel.from_pretrained(AutoModel.from_pretrained(BASE, trust_remote_code=True), ADAPTER)
 
 OUT is written whole into a staging directory next to it and swapped in, so an earlier export there
 leaves no file behind (a single-file model.safetensors next to new shards would make transformers
@@ -43,6 +47,7 @@ def export(
     max_shard_gb: float = 5.0,
     push_to_hub: str | None = None,
     adapter_only: bool = False,
+    base_only: bool = False,
 ) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
     from mdlmpe_ds import engine, lora, weights_only
@@ -61,8 +66,9 @@ def export(
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     state = weights_only.load(step_dir) if model_only else engine.fp32_state_dict_from_checkpoint(step_dir)
     spec = lora.spec_of(saved.run_config)
-    if spec is None and adapter_only:
-        raise ValueError(f"{step_dir} is a full fine-tune checkpoint: --adapter-only needs a LoRA run")
+    if spec is None and (adapter_only or base_only):
+        flag = "--adapter-only" if adapter_only else "--base-only"
+        raise ValueError(f"{step_dir} is a full fine-tune checkpoint: {flag} needs a LoRA run")
     if spec is not None:
         _, adapters, mdlmpe = lora.split_state(state)
         if adapter_only:
@@ -71,7 +77,10 @@ def export(
             if push_to_hub:
                 print(f"uploaded {target} -> {upload(target, push_to_hub)}")
             return target
-        state = lora.merged_state(step_dir, saved.run_config, state)
+        if base_only:  # the frozen base and the trained MDLMPE weights: what the adapter goes onto
+            state = lora.merge(lora.read_base(step_dir, saved.run_config), {}, mdlmpe, spec)
+        else:
+            state = lora.merged_state(step_dir, saved.run_config, state)
     # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
     with torch.device("meta"):
         reference = dict(DiffusionLM(config).state_dict())
@@ -103,12 +112,15 @@ def _export_adapter(step_dir, saved, out, target, adapters, mdlmpe, spec, dtype:
 
     from mdlmpe_ds import lora
     from mdlmpe_ds.hub.export import TOKENIZER_FILES
+    from mdlmpe_ds.models.config import ModelConfig
 
-    base = saved.run_config["model"].get("model_name_or_path") or str(
-        lora.find_base_file(step_dir, saved.run_config)
-    )
     lora.check_base_identity(step_dir, lora.base_source(step_dir, saved.run_config))  # the adapter's base
-    files = lora.write_adapter_dir(out, adapters, mdlmpe, spec, base, dtype)
+    # The base as the run names it (a hub id, or the user's directory; None for a preset's own base).
+    base = saved.run_config["model"].get("model_name_or_path")
+    revision = saved.run_config["model"].get("revision")
+    family = ModelConfig.from_dict(saved.model_config, stored=True).family
+    out = Path(out)
+    files = lora.write_adapter_dir(out, adapters, mdlmpe, spec, base, dtype, family=family, revision=revision)
     tokenizer = _tokenizer_dir(saved.tokenizer)
     copied = []
     for name in TOKENIZER_FILES if tokenizer else ():
@@ -118,7 +130,9 @@ def _export_adapter(step_dir, saved, out, target, adapters, mdlmpe, spec, dtype:
     print(
         f"exported the LoRA adapter of {step_dir} (update {saved.step}) -> {target}: "
         f"{', '.join(f.name for f in files)} ({len(adapters)} adapted projections, --lora {spec.text()}); "
-        f"base model: {base}; tokenizer files: {copied or 'none'}"
+        f"base model: {base or 'the run preset (export it with --base-only)'}; tokenizer files: "
+        f"{copied or 'none'}; loads with PeftModel.from_pretrained(AutoModel.from_pretrained(BASE_EXPORT, "
+        "trust_remote_code=True), OUT), BASE_EXPORT from --base-only"
     )
 
 
@@ -148,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="LoRA checkpoints: a peft adapter directory plus the MDLMPE weights, no merged model",
     )
+    kind.add_argument(
+        "--base-only",
+        action="store_true",
+        help="LoRA checkpoints: the base with the trained MDLMPE weights, no adapters (what "
+        "an --adapter-only export loads onto with PeftModel)",
+    )
     parser.add_argument(
         "--push_to_hub", metavar="REPO", default=None, help="upload the export to this hub repo"
     )
@@ -157,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(stream="stderr")
     try:
-        export(args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only)
+        export(
+            args.checkpoint, args.out, args.dtype, args.max_shard_gb, args.push_to_hub, args.adapter_only,
+            args.base_only,
+        )  # fmt: skip
     except ExportTargetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

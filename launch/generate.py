@@ -1,10 +1,12 @@
 """Generate text with a LLaDA / Dream (RoPE or MDLMPE) model: one prompt, several, or an interactive chat.
 
-    python launch/generate.py --checkpoint outputs/sft-demo/export --prompt "What is 2+2?" --template
-    python launch/generate.py --checkpoint outputs/sft-demo --chat --gen_length 128 --block_length 32
+    python launch/generate.py --checkpoint outputs/sft-demo --prompt "What is 2+2?" --template \\
+        --gen_length 32 --steps 32
+    python launch/generate.py --checkpoint outputs/sft-demo --chat --gen_length 64 --block_length 32
     python launch/generate.py --checkpoint /models/Dream-v0-Instruct-7B --dtype bf16 --device cuda \\
         --algorithm entropy --temperature 0.2 --top_p 0.95 --prompt "Write a haiku." --template --show_steps
 
+The prompt plus --gen_length must fit the model's positions (the demo model has 128).
 --checkpoint: an exported / Hugging Face directory (config.json + safetensors, e.g. from
 launch/export.py) or a training output (output_dir, a step directory, ``latest``): the newest
 complete ZeRO-3 checkpoint is consolidated in-process. The tokenizer is the directory's own, the

@@ -10,9 +10,9 @@
         126,464-token vocabulary, every batch padded to L; then tokens/s and the peak GPU memory
         of each update next to the plan.
 
-Offline on purpose: the smoke run uses the word-level fixture tokenizer and chat file of the
-dist tests (tests/dist/sft_fixtures.py) with the vocabulary widened to LLaDA's, so the LM head has
-its real shape without downloading anything.
+Offline on purpose: the smoke run uses the word-level tokenizer and chat file of
+mdlmpe_ds/data/smoke.py (the dist tests' inputs) with the vocabulary widened to LLaDA's, so the LM
+head has its real shape without downloading anything.
 
     python launch/gpu_check.py                       # all steps (exit 0 after step 1 without a GPU)
     python launch/gpu_check.py --length 4096 --micro-batch 1 --skip-bench
@@ -35,8 +35,7 @@ NO_GPU_MESSAGE = "no GPU: stopping (steps 2-4 need a CUDA device; the plan above
 
 def smoke_flags(data_dir: Path, length: int, micro_batch: int, output_dir: Path) -> list[str]:
     """launch/sft.py flags of the smoke run (also used for its dry-run plan)."""
-    sys.path.insert(0, str(REPO / "tests" / "dist"))
-    from sft_fixtures import make_chat, make_tokenizer
+    from mdlmpe_ds.data.smoke import make_chat, make_tokenizer
 
     tokenizer = data_dir / "tokenizer"
     chat = data_dir / "chat.jsonl"

@@ -13,7 +13,7 @@ store once (rank 0; the other ranks wait, then map it), its held-out slice for v
         --dataset openwebtext --validation openwebtext --store_dir /scratch/token_stores \\
         --position_encoding mdlmpe --output_dir outputs/llada-100m-mdlmpe
 
-(``--store_dir`` shared by the runs of a comparison tokenises OWT once; README "Data at scale"
+(``--store_dir`` shared by the runs of a comparison tokenises OWT once; docs/results.md "Token stores"
 gives its disk size, build time and memory per rank.)
 
 Position encodings: ``--position_encoding rope|alibi|absolute|mdlmpe``; MDLMPE ablations through

@@ -71,13 +71,12 @@ def main(argv: list[str] | None = None, faults=None) -> int:
 
     def report(summary: dict) -> None:
         out = Path(run.train.output_dir).resolve()
+        resume = launching.resume_command("launch/sft.py", args.deepspeed, rest, args.config)
         print(
-            f"\ndone: {summary['total_updates']} updates, final loss {summary['history'][-1]['loss']:.4f}"
-            if summary["history"]
-            else "\ndone: nothing left to train",
+            f"\n{launching.outcome(summary, run.train.stop_at)}",
             f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"
             f"\ncheckpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})"
-            f"\nresume with:      {launching.resume_command('launch/sft.py', args.deepspeed, rest)}"
+            f"\nresume with:      {resume}"
             f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
             f"{out / 'export'}",
             flush=True,

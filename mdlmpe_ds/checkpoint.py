@@ -1,6 +1,6 @@
 """Atomic, verified, resumable checkpoints: DeepSpeed's sharded state plus our per-rank trainer state.
 
-Layout (STYLE habit 6)::
+Layout::
 
     output_dir/checkpoints/
         step_000020/

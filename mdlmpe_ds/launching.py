@@ -135,20 +135,40 @@ def prepare_process() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
-def resume_command(script: str, deepspeed_config: str, rest: list[str]) -> str:
-    """The command that continues this run: its own flags with ``--resume auto``, minus the ones a
-    resume must not repeat (``--resume``, ``--overwrite_output_dir``)."""
+def resume_command(script: str, deepspeed_config: str, rest: list[str], config: str | None = None) -> str:
+    """The command that continues this run to its end: its ``--config FILE`` and its own flags with
+    ``--resume auto``, minus the ones a resume must not repeat (``--resume``,
+    ``--overwrite_output_dir``) and ``--stop_at`` (repeated, it would stop again at once)."""
+    drop = ("--resume", "--overwrite_output_dir", "--train.overwrite_output_dir")
+    drop += ("--stop_at", "--train.stop_at")
     kept, skip = [], False
     for arg in rest:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--resume", "--overwrite_output_dir", "--train.overwrite_output_dir"):
+        if name in drop:
             skip = "=" not in arg
             continue
         kept.append(arg)
-    return shlex.join(["deepspeed", script, "--deepspeed", deepspeed_config, *kept, "--resume", "auto"])
+    head = ["deepspeed", script, "--deepspeed", deepspeed_config, *(["--config", config] if config else [])]
+    return shlex.join([*head, *kept, "--resume", "auto"])
+
+
+def outcome(summary: dict, stop_at: int | None) -> str:
+    """The first line of a finished job's report: how far the run got, against its total."""
+    step, total = summary["step"], summary["total_updates"]
+    loss = f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""
+    if step >= total:
+        if not summary["history"]:
+            return f"done: nothing left to train ({total} updates)"
+        return f"done: {total} updates{loss}"
+    if summary["history"]:
+        return f"stopped at update {step} of {total} (--stop_at {stop_at}){loss}"
+    return (
+        f"nothing trained: the run is at update {step} of {total} and --stop_at is {stop_at}; "
+        "resume without --stop_at (or with a larger one) to continue"
+    )
 
 
 def dry_run_world_size() -> int:

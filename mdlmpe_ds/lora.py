@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -231,13 +232,49 @@ def merge(
     return {name: t.to(dtype) for name, t in out.items()}
 
 
-def peft_state_dict(adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _export_module(module: str, family: str | None) -> str:
+    """A project module name (``layers.3.attn.q_proj``) as the module of the exported model that
+    ``AutoModel`` builds (LLaDA ``model.transformer.blocks.3.q_proj``; models/names.py); as is when
+    ``family`` is None (our own ``DiffusionLM``)."""
+    if family is None:
+        return module
+    from mdlmpe_ds.models.names import to_checkpoint_name
+
+    return to_checkpoint_name(f"{module}.weight", family)[: -len(".weight")]
+
+
+def export_target_pattern(spec: LoraSpec, family: str) -> str:
+    """``target_pattern`` over the exported model's module names: the same projections of every
+    block, under the family's upstream names (which the official LLaDA / Dream code uses too)."""
+    names = {_export_module(f"layers.0.{TARGETS[t]}", family) for t in spec.targets}
+    prefix = _export_module("layers.0.attn.q_proj", family).rsplit(".0.", 1)[0]
+    tails = sorted(re.escape(name[len(prefix) + len(".0.") :]) for name in names)
+    return rf"{re.escape(prefix)}\.\d+\.({'|'.join(tails)})"
+
+
+# The MDLMPE modules of an export (the embedding path and every layer's phase MLP): new weights of a
+# LoRA run, trained in full, so the adapter carries them whole as peft ``modules_to_save``.
+EXPORT_MDLMPE_MODULES = ["mdlmpe", "mdlmpe_phase"]
+
+
+def peft_state_dict(
+    adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    mdlmpe: Mapping[str, torch.Tensor] | None = None,
+    family: str | None = None,
+) -> dict[str, torch.Tensor]:
     """Adapter tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``), the
-    names ``PeftModel.from_pretrained`` / ``set_peft_model_state_dict`` read."""
+    names ``PeftModel.from_pretrained`` / ``set_peft_model_state_dict`` read, with ``<module>`` the
+    exported model's (``family``) or ours (None); ``mdlmpe`` weights as whole saved modules."""
     out = {}
     for module, (a, b) in adapters.items():
-        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
-        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        name = _export_module(module, family)
+        out[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    if family is not None:
+        from mdlmpe_ds.models.names import to_checkpoint_name
+
+        for name, tensor in (mdlmpe or {}).items():
+            out[f"base_model.model.{to_checkpoint_name(name, family)}"] = tensor.contiguous()
     return out
 
 
@@ -248,16 +285,27 @@ def write_adapter_dir(
     spec: LoraSpec,
     base_model: str | None,
     dtype: torch.dtype = torch.float32,
+    family: str | None = None,
+    revision: str | None = None,
 ) -> list[Path]:
     """A peft-loadable adapter directory (adapter_config.json + adapter_model.safetensors) plus the
-    trained MDLMPE weights (mdlmpe.safetensors, project names). Returns the files written."""
+    trained MDLMPE weights (mdlmpe.safetensors, project names). Returns the files written.
+
+    ``family`` set: addressed to the exported model's modules, so it loads with
+    ``PeftModel.from_pretrained(AutoModel.from_pretrained(export, trust_remote_code=True), out)``,
+    the MDLMPE modules carried as ``modules_to_save``; None: to our ``DiffusionLM``.
+    ``base_model`` / ``revision``: what the run names as its base (a hub id, never a cache path)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = peft_config(spec, base_model)
+    config.revision = revision
+    if family is not None:
+        config.target_modules = export_target_pattern(spec, family)
+        config.modules_to_save = list(EXPORT_MDLMPE_MODULES) if mdlmpe else None
     config.save_pretrained(str(out))
-    tensors = {k: v.to(dtype) for k, v in peft_state_dict(adapters).items()}
+    tensors = {k: v.to(dtype) for k, v in peft_state_dict(adapters, mdlmpe, family).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     save_file(
         {k: v.to(dtype).contiguous() for k, v in mdlmpe.items()},

@@ -199,6 +199,7 @@ class MemoryPlan:
     length: int
     items: list[tuple[str, float, str]] = field(default_factory=list)
     cpu_items: list[tuple[str, float, str]] = field(default_factory=list)
+    device: str = "GPU"
 
     @property
     def total(self) -> float:
@@ -209,8 +210,8 @@ class MemoryPlan:
 
     def format(self) -> str:
         lines = [
-            f"memory plan per GPU (estimate): world {self.world}, micro-batch {self.micro_batch} x L "
-            f"{self.length}"
+            f"memory plan per {self.device} (estimate): world {self.world}, "
+            f"micro-batch {self.micro_batch} x L {self.length} tokens"
         ]
         for name, value, note in self.items:
             lines.append(f"  {name:<34} {value / GIB:8.2f} GiB  {note}")
@@ -243,6 +244,7 @@ def plan_memory(
     recompute: Recompute | None = None,
     trainable_params: int | None = None,
     extra_params: int = 0,
+    device: str = "cuda",
 ) -> MemoryPlan:
     """The plan for ``cfg`` under ``ds_config`` (after ``engine.prepare_ds_config``: bf16 or fp32,
     offload sections, buckets) on ``world`` GPUs, ``micro_batch`` sequences of ``length`` tokens.
@@ -251,7 +253,8 @@ def plan_memory(
     ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``); ``recompute``: the
     checkpointing (default ``Recompute()``: none).
     LoRA (mdlmpe_ds/lora.py): ``extra_params`` adapter elements are added to the parameters, and
-    gradients and optimizer states are those of ``trainable_params`` only (default: all)."""
+    gradients and optimizer states are those of ``trainable_params`` only (default: all).
+    ``device`` "cpu": the ranks are CPU processes, so no CUDA context allowance is added."""
     head_chunk = head_chunk or configured_chunk()
     impl = _backend_on(impl or AttentionImpl(), "cuda")  # a plan per GPU
     recompute = recompute or Recompute()
@@ -348,7 +351,10 @@ def plan_memory(
             f"{scored:,} scored tokens, chunks of {head_chunk} x V {cfg.vocab_size:,}",
         )
     )
-    plan.items.append(("CUDA context, allocator slack", float(CUDA_OVERHEAD_BYTES), "allowance"))
+    if device == "cpu":
+        plan.device = "CPU rank"
+    else:
+        plan.items.append(("CUDA context, allocator slack", float(CUDA_OVERHEAD_BYTES), "allowance"))
     return plan
 
 

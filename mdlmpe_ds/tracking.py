@@ -1,4 +1,4 @@
-"""Rank-0 side effects through one object (STYLE habit 9): TensorBoard scalars, a progress bar and
+"""Rank-0 side effects through one object: TensorBoard scalars, a progress bar and
 console lines. Other ranks get `NullTracker`, which has the same methods and does nothing, so the
 trainer never branches on the rank to log.
 

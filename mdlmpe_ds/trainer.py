@@ -239,7 +239,10 @@ class Trainer:
         batches = self.task.batches()
         self.engine.train()
         try:
-            while self.state.step < self.total_updates:
+            # A run resumed at or past train.stop_at trains nothing more (the summary says so).
+            while self.state.step < self.total_updates and not (
+                t.stop_at is not None and self.state.step >= t.stop_at
+            ):
                 start = time.perf_counter()
                 metrics = self._update(batches)
                 elapsed = time.perf_counter() - start
@@ -318,6 +321,7 @@ class Trainer:
             self._probe_logits(Path(self.faults.probe_logits))
         return {
             "history": history,
+            "step": self.state.step,  # the update reached (< total_updates after train.stop_at)
             "last_checkpoint": str(self.last_good) if self.last_good else None,
             "tensorboard": str(Path(t.output_dir) / "tensorboard"),
         }

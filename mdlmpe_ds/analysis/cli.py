@@ -7,8 +7,8 @@ Examples::
     # your own geometry: every figure uses L=4096, W/L=1/8, rho=1/2, theta=1e4, d_h=64
     python -m mdlmpe_ds.analysis mechanism --figures envelope transfer --length 4096 \\
         --window-ratio 0.125 --rho 0.5 --theta 1e4 --head-dim 64 --pair 4 --out figures/
-    # a trained or exported checkpoint directory (config.json + safetensors)
-    python -m mdlmpe_ds.analysis checkpoint --model runs/sft/export --out diag/ --tensorboard tb/
+    # an export, a training run's output_dir (its newest complete checkpoint) or a hub id
+    python -m mdlmpe_ds.analysis checkpoint --model outputs/sft-demo --out diag/ --tensorboard tb/
 
 Options left unset take each figure's paper default (Appendix F): topologies at L=256, W/L=3/16;
 envelope and transfer at L=1024, W/L=3/16; jacobian and boundary at L=256, W/L=1/4 (W=64,
@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", help="gamma, phase residuals and their evolution for a checkpoint"
     )
     ckpt.add_argument(
-        "--model", type=Path, required=True, help="HF-style directory (config.json + safetensors) or hub id"
+        "--model",
+        required=True,
+        help="an export / HF-style directory, a hub id, or a training run (output_dir, step dir, latest)",
     )
     ckpt.add_argument("--out", type=Path, required=True)
     ckpt.add_argument("--length", type=int, default=64, help="sequence length of the probe input")

@@ -253,12 +253,14 @@ def pair_columns(pairs: list[int], num_pairs: int) -> list[int]:
 
 
 def run_checkpoint(args: argparse.Namespace) -> list[Path]:
-    """The ``checkpoint`` command: load the directory, probe it, write PNG + JSON (+ TensorBoard)."""
-    from mdlmpe_ds.hub.resolve import resolve_model
-    from mdlmpe_ds.models.hf_io import load_pretrained
+    """The ``checkpoint`` command: load the model, probe it, write PNG + JSON (+ TensorBoard).
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = load_pretrained(resolve_model(str(args.model)), device=args.device, dtype=dtype).eval()
+    ``--model`` is whatever ``launch/generate.py --checkpoint`` takes: an export or other HF-format
+    directory, a hub id, or a training output (output_dir, ``checkpoints/``, a step directory or
+    ``latest``: its newest complete checkpoint, consolidated in this process)."""
+    from mdlmpe_ds.evaluation.loading import load_model
+
+    model, _ = load_model(str(args.model), device=args.device, dtype=args.dtype)
     return diagnose(model, args, source=str(args.model))
 
 

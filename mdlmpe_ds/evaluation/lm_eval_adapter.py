@@ -3,9 +3,12 @@
 Registered as lm-eval model ``mdlmpe``. One command (lm-eval's own CLI, with this module imported so
 the name is registered)::
 
-    python -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe \\
-        --model_args pretrained=outputs/llada-sft/export,dtype=bf16,device=cuda,mc_num=128 \\
+    python -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe --device cuda \\
+        --model_args pretrained=outputs/llada-sft/export,dtype=bf16,mc_num=128 \\
         --tasks mmlu,arc_challenge,hellaswag,gsm8k --batch_size 8 --output_path results/
+
+The device is lm-eval's own ``--device`` flag (``cpu`` on a machine without a GPU); lm-eval passes
+it to the model, so ``device=`` inside ``--model_args`` would be given twice.
 
 - ``loglikelihood`` (MMLU / ARC / HellaSwag multiple choice): the conditional Monte-Carlo ELBO
   (``likelihood.conditional_elbo``; LLaDA's estimator, ``mc_num`` rows per request, seeded per
@@ -26,7 +29,7 @@ batch, so results do not depend on ``batch_size``, request order or the number o
 Data parallel: under ``torchrun`` (WORLD_SIZE > 1) every process loads the model on its own GPU
 (``cuda:LOCAL_RANK``) and lm-eval shards the requests by rank; results are gathered on rank 0::
 
-    torchrun --nproc_per_node 8 -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe \\
+    torchrun --nproc_per_node 8 -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe --device cuda \\
         --model_args pretrained=outputs/llada-sft/export,dtype=bf16 --tasks gsm8k --batch_size 8
 """
 

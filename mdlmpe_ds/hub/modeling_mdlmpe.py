@@ -16,8 +16,11 @@ Dream's ``model.layers.N.self_attn.o_proj``) plus the MDLMPE keys, and ``config.
 upstream keys; the project-only settings are in its ``mdlmpe_ds`` block. A RoPE-only export
 therefore also loads with the official LLaDA / Dream modeling code.
 
-Logits are aligned so that logit i predicts token i for both families (Dream's raw logits are
-next-token aligned; pass ``raw_logits=True`` to get them). Use ``attention_mask`` for padding and
+Logits follow each family's upstream convention, so the official generation and evaluation code
+of LLaDA and Dream run on an export unchanged: LLaDA's logit i predicts token i; Dream's logit i
+predicts token i + 1 (Qwen2's next-token alignment; the official Dream sampler shifts them itself,
+docs/models.md §2.3). ``aligned=True`` returns Dream's logits shifted so that logit i predicts
+token i, as ``fill_masks`` and ``chat`` use them. Use ``attention_mask`` for padding and
 ``position_ids`` for left-padded rows (e.g. ``attention_mask.cumsum(-1) - 1``).
 """
 
@@ -502,10 +505,11 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        raw_logits: bool = False,
+        aligned: bool = False,
         **_: Any,
     ) -> MaskedLMOutput:
-        """Logits [B, L, V]; ``attention_mask`` [B, L] (1 = real token; for MDLMPE also a_t);
+        """Logits [B, L, V] in the family's upstream alignment (Dream: logit i predicts token i + 1;
+        ``aligned=True``: token i); ``attention_mask`` [B, L] (1 = real token; for MDLMPE also a_t);
         ``position_ids`` [B, L] the RoPE / basis positions (default 0..L-1)."""
         s = self.settings
         length = input_ids.shape[1]
@@ -544,7 +548,7 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
             logits = F.linear(x, self.get_input_embeddings().weight)
         else:
             logits = self.get_submodule(self.paths["head"])(x)  # [B, L, V]
-        if s["family"] == "dream" and not raw_logits:  # raw logit i-1 predicts token i
+        if s["family"] == "dream" and aligned:  # raw logit i-1 predicts token i
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
         return MaskedLMOutput(logits=logits)
 
@@ -561,7 +565,7 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
             masked = ids == mask_id  # [B, L]
             if not bool(masked.any()):
                 break
-            probs = torch.softmax(self(ids).logits.float(), dim=-1)
+            probs = torch.softmax(self(ids, aligned=True).logits.float(), dim=-1)
             confidence, guess = probs.max(-1)  # [B, L]
             confidence = confidence.masked_fill(~masked, -1.0)
             for row in range(ids.shape[0]):

@@ -6,6 +6,11 @@ name must look like a hub repo id and is fetched with ``huggingface_hub.snapshot
 (``allow_patterns``), the standard cache (``HF_HOME`` / ``HF_HUB_CACHE``) and token, and
 ``HF_HUB_OFFLINE=1`` honoured (then only the local cache is read). Under ``torch.distributed``
 rank 0 downloads first and the other ranks then read the cache (``local_files_only``).
+
+A run's config keeps the names the user gave (hub ids and ``model.revision``), never the snapshot
+directories they resolve to: those are machine-local cache paths, and a checkpoint's config must
+reproduce the run on another machine. ``local_run`` returns a copy with the local directories to
+build from; ``recorded_tokenizer`` is the tokenizer name a checkpoint records.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def _download(repo_id: str, revision: str | None, patterns: list[str], local_onl
         raise HubResolveError(
             f"{what} {repo_id!r}{f' (revision {revision})' if revision else ''}: not a local directory, and "
             f"{where} and it is not in the local Hugging Face cache ({_cache_dir()}); download it once "
-            f"online (huggingface-cli download {repo_id}) or pass a local directory"
+            f"online (hf download {repo_id}{f' --revision {revision}' if revision else ''}) or pass a "
+            "local directory"
         ) from err
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as err:
         raise HubResolveError(f"{what} {repo_id!r}: {type(err).__name__}: {err}") from err
@@ -79,8 +85,15 @@ def _cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def resolve(name: str, revision: str | None = None, what: str = "model", tokenizer: bool = False) -> Path:
-    """A local directory for ``name``: the path itself, or the snapshot of hub id ``name``."""
+def resolve(
+    name: str,
+    revision: str | None = None,
+    what: str = "model",
+    tokenizer: bool = False,
+    patterns: list[str] | None = None,
+) -> Path:
+    """A local directory for ``name``: the path itself, or the snapshot of hub id ``name`` (only the
+    files ``patterns`` match; default: what a model or a tokenizer needs)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
@@ -93,7 +106,7 @@ def resolve(name: str, revision: str | None = None, what: str = "model", tokeniz
         if revision and revision != at:
             raise HubResolveError(f"{what} {name!r}: revision {at!r} in the name but {revision!r} given")
         revision = at
-    patterns = TOKENIZER_PATTERNS if tokenizer else MODEL_PATTERNS
+    patterns = patterns or (TOKENIZER_PATTERNS if tokenizer else MODEL_PATTERNS)
     import torch.distributed as dist
 
     from mdlmpe_ds import collectives
@@ -124,6 +137,12 @@ def resolve_tokenizer(name: str, revision: str | None = None) -> Path:
     return resolve(name, revision, "tokenizer", tokenizer=True)
 
 
+def resolve_config(name: str, revision: str | None = None) -> Path:
+    """A directory holding ``name``'s config.json: the local directory, or a snapshot with only
+    ``config.json`` fetched (a dry run plans from it; no weights, no tokenizer)."""
+    return resolve(name, revision, "model", patterns=["config.json"])
+
+
 def split_dataset_name(source: str, config: str | None = None) -> tuple[str, str | None]:
     """'HuggingFaceTB/smoltalk:all' -> ('HuggingFaceTB/smoltalk', 'all'); an explicit ``config`` wins
     over none in the name, and two different ones are an error. Local paths are left whole."""
@@ -135,19 +154,41 @@ def split_dataset_name(source: str, config: str | None = None) -> tuple[str, str
     return name, config or named or None
 
 
-def resolve_run_names(run) -> None:
-    """Rewrite a run config's hub ids to local snapshot directories, in place (model, tokenizer,
-    with ``model.revision``), and fold ``data.dataset_config`` into ``data.dataset`` as
-    ``name:config`` (the form the data loaders read)."""
+def _tokenizer_revision(run) -> str | None:
+    """``model.revision`` pins the tokenizer too when it comes from the model's own repo."""
     m, d = run.model, run.data
-    original_model = m.model_name_or_path
-    if m.model_name_or_path is not None and not Path(m.model_name_or_path).exists():
-        m.model_name_or_path = str(resolve_model(m.model_name_or_path, m.revision))
-    if d.tokenizer is not None and not Path(d.tokenizer).exists():
-        model_id = original_model.split("@", 1)[0] if original_model else None
-        same_repo = model_id is not None and d.tokenizer.split("@", 1)[0] == model_id
-        # model.revision pins the tokenizer too when it comes from the model's own repo
-        d.tokenizer = str(resolve_tokenizer(d.tokenizer, m.revision if same_repo else None))
+    if d.tokenizer is None or m.model_name_or_path is None:
+        return m.revision
+    same_repo = d.tokenizer.split("@", 1)[0] == m.model_name_or_path.split("@", 1)[0]
+    return m.revision if same_repo else None
+
+
+def local_run(run, config_only: bool = False):
+    """A copy of ``run`` whose model and tokenizer hub ids are replaced by local snapshot directories
+    (rank 0 downloads first); ``run`` itself is left as the user wrote it. ``data.dataset_config``
+    is folded into ``data.dataset`` as ``name:config`` (the form the data loaders read) in both.
+    ``config_only``: fetch the model's config.json alone and leave the tokenizer unresolved."""
+    import copy
+
+    d = run.data
     if d.dataset_config:
         name, config = split_dataset_name(d.dataset, d.dataset_config)
         d.dataset, d.dataset_config = f"{name}:{config}", None
+    local = copy.deepcopy(run)
+    m, ld = local.model, local.data
+    if m.model_name_or_path is not None and not Path(m.model_name_or_path).exists():
+        fetch = resolve_config if config_only else resolve_model
+        m.model_name_or_path = str(fetch(m.model_name_or_path, m.revision))
+    if not config_only and ld.tokenizer is not None and not Path(ld.tokenizer).exists():
+        ld.tokenizer = str(resolve_tokenizer(ld.tokenizer, _tokenizer_revision(run)))
+    return local
+
+
+def recorded_tokenizer(run, tokenizer_dir: str | Path) -> str:
+    """The tokenizer name a checkpoint records: the hub id the run names (``id@revision`` when a
+    revision pins it), else the local directory actually read (a user's folder or the demo's)."""
+    name = run.data.tokenizer if run.data.tokenizer is not None else run.model.model_name_or_path
+    if name is None or Path(name).exists() or not looks_like_hub_id(name):
+        return str(tokenizer_dir)
+    revision = _tokenizer_revision(run)
+    return f"{name}@{revision}" if revision and "@" not in name else name

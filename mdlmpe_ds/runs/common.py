@@ -28,10 +28,29 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer_dir(directory: str | Path):
+    """``AutoTokenizer`` of a local directory; a directory without tokenizer files (e.g. a model
+    directory holding only config.json and weights) is named as such, with what to pass instead."""
+    from transformers import AutoTokenizer
+
+    path = Path(directory)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR or "
+            "a hub id, or add the tokenizer files to this directory (e.g. hf download ORG/NAME "
+            f"--include 'tokenizer*' --local-dir {path})"
+        )
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def model_config_for(run: RunConfig, tokenizer):
     """The backbone's ModelConfig: a preset with ids from the tokenizer, or a pretrained directory's
     config; then this run's position encoding and MDLMPE knobs (L_ref = data.max_len unless set).
-    Checkpointing is not part of it: ``run.recompute()`` is passed at build (``build_model``)."""
+    Checkpointing is not part of it: ``run.recompute()`` is passed at build (``build_model``).
+    ``tokenizer`` None (a dry run): a preset keeps its own vocabulary and ids unless the run sets them."""
     import dataclasses
 
     from mdlmpe_ds.models.presets import preset
@@ -46,6 +65,18 @@ def model_config_for(run: RunConfig, tokenizer):
         return dataclasses.replace(
             base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, position_encoding=m.position_encoding
         ).validate()
+    if tokenizer is None:
+        own = preset(m.preset)
+        ids = {
+            "vocab_size": m.vocab_size or own.vocab_size,
+            "mask_token_id": own.mask_token_id if m.mask_token_id is None else m.mask_token_id,
+            "eos_token_id": own.eos_token_id if m.eos_token_id is None else m.eos_token_id,
+        }
+        ids["pad_token_id"] = m.pad_token_id if m.pad_token_id is not None else ids["eos_token_id"]
+        return preset(
+            m.preset, **ids, max_seq_len=max(run.data.max_len, 8), mdlmpe=mdlmpe,
+            position_encoding=m.position_encoding,
+        )  # fmt: skip
     vocab = m.vocab_size if m.vocab_size is not None else _round_up(len(tokenizer), 64)
     mask_id = m.mask_token_id
     if mask_id is None:
@@ -98,24 +129,40 @@ def total_updates_for(run: RunConfig, num_batches_per_rank: int) -> int:
     return max(1, math.ceil(run.train.epochs * updates_per_epoch(num_batches_per_rank, run.train.grad_accum)))
 
 
-def describe_plan(run: RunConfig, model_config, world: int, total: int, n_examples: int, params: dict) -> str:
+def describe_plan(
+    run: RunConfig, model_config, world: int, total: int | None, n_examples: int | None, params: dict
+) -> str:
+    """The run's plan with its units. ``n_examples`` / ``total`` None: a dry run, which reads no data."""
     t = run.train
     per_update = t.micro_batch_size * t.grad_accum * world
     scheduled = t.head_schedule and model_config.position_encoding == "mdlmpe"
+    name = run.model.model_name_or_path or run.model.preset
+    if run.model.revision:
+        name += f" (revision {run.model.revision})"
+    if n_examples is None:
+        data = f"data: {run.data.dataset} (not read in a dry run), max_len {run.data.max_len} tokens"
+    else:
+        data = f"data: {n_examples:,} examples, max_len {run.data.max_len} tokens"
+    if total is None:
+        updates = f"updates: {t.epochs:g} epochs of the data (counted when it is read; not in a dry run)"
+    else:
+        warmup = run.warmup_updates(total)
+        updates = f"updates: {total:,} (warmup {warmup:,} updates, cosine {run.optim.cosine})"
+        if n_examples is not None:
+            updates += f", ~{total * per_update / max(1, n_examples):.2f} epochs"
     return "\n".join(
         [
-            f"model: {run.model.model_name_or_path or run.model.preset} ({model_config.family}), "
-            f"position encoding {model_config.position_encoding}",
+            f"model: {name} ({model_config.family}), position encoding {model_config.position_encoding}, "
+            f"vocabulary {model_config.vocab_size:,} tokens",
             f"parameters: backbone {params['backbone']:,}  mdlmpe {params['mdlmpe']:,}  "
             f"total {params['total']:,}",
-            f"data: {n_examples} examples, max_len {run.data.max_len}",
+            data,
             f"batch: micro {t.micro_batch_size} x grad_accum {t.grad_accum} x world {world} = {per_update} "
-            f"sequences per update",
-            f"updates: {total} (warmup {run.warmup_updates(total)}, cosine {run.optim.cosine}), "
-            f"~{total * per_update / max(1, n_examples):.2f} epochs",
+            f"sequences per update (at most {per_update * run.data.max_len:,} tokens)",
+            updates,
             f"head schedule: {'on' if scheduled else 'off'};"
             f" checkpoints every {t.save_every} updates into {Path(t.output_dir) / 'checkpoints'}"
-            f" (keep {t.keep_last})",
+            f" (keep the last {t.keep_last})",
         ]
     )
 
@@ -219,24 +266,29 @@ def build_engine(
     run: RunConfig,
     model_config,
     ds_config: dict,
-    total: int,
-    n_examples: int,
+    total: int | None,
+    n_examples: int | None,
     dry_run: bool,
     resume_from: Path | None = None,
+    as_written: RunConfig | None = None,
 ):
     """The model under ZeRO-3 (weights created partitioned, MDLMPE initialised, a pretrained
     directory streamed in) and its DeepSpeed engine; logs the plan. Returns (engine, result) where a
-    dry run builds on the meta device only and returns (None, {plan, total_updates, params})."""
+    dry run builds on the meta device only and returns (None, {plan, total_updates, params}).
+    ``run`` holds the local directories to read; ``as_written`` the names the plan shows."""
     model = build_model(run, model_config, ds_config, dry_run)
     params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
     params["total"] = params["backbone"] + params["mdlmpe"]
-    plan = describe_plan(run, model_config, eng.world_size(), total, n_examples, params)
+    plan = describe_plan(as_written or run, model_config, eng.world_size(), total, n_examples, params)
     plan += lora.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
     from mdlmpe_ds.memory_plan import plan_memory
 
+    # A CPU machine plans for GPUs when told bf16 (the documented way); fp32 there is a CPU run.
+    cpu_ranks = eng.on_cpu() and not ds_config.get("bf16", {}).get("enabled")
     memory = plan_memory(
         model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
-        impl=run.attention, recompute=run.recompute(), **lora.memory_plan_kwargs(params),
+        impl=run.attention, recompute=run.recompute(), device="cpu" if cpu_ranks else "cuda",
+        **lora.memory_plan_kwargs(params),
     )  # fmt: skip
     plan += "\n" + memory.format()
     if dry_run:
@@ -249,6 +301,21 @@ def build_engine(
         }
     log.info(plan)
     return eng.initialize(model, ds_config, run, total), {"plan": plan, "params": params}
+
+
+def dry_run_plan(run: RunConfig, ds_config_path: str, resume: str | None = None) -> dict:
+    """``--dry-run``: the plan from the model's config alone. A hub id fetches its config.json only;
+    no weights, tokenizer or data are read (the vocabulary is the config's). Validates the config and
+    the ds config's batch arithmetic, builds the model on the meta device, prints the plan."""
+    from mdlmpe_ds.hub.resolve import local_run
+
+    local = local_run(run, config_only=True)
+    model_config = model_config_for(local, tokenizer=None)
+    ds_config = eng.prepare_ds_config(ds_config_path, run, eng.world_size())
+    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run=True)
+    total = run.train.max_steps
+    _, built = build_engine(local, model_config, ds_config, total, None, True, resume_from, as_written=run)
+    return built
 
 
 def check_resume_data(resume_from: Path | None, fingerprint: str, run: RunConfig) -> None:

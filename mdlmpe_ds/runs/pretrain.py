@@ -26,6 +26,8 @@ from mdlmpe_ds.runs.common import (
     assert_same_on_all_ranks,
     build_engine,
     check_resume_data,
+    dry_run_plan,
+    load_tokenizer_dir,
     model_config_for,
     prepare_resume,
     rank_zero_first,
@@ -173,22 +175,22 @@ def run_pretrain(
 ) -> dict:
     """Build the packed data, the model under ZeRO-3 and the engine; pretrain. Call inside
     `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
-    from transformers import AutoTokenizer
-
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.fingerprint import packed_fingerprint
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.hub.resolve import resolve_run_names
+    from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer
     from mdlmpe_ds.tasks.pretrain import PretrainTask
     from mdlmpe_ds.trainer import Trainer
 
+    if dry_run:  # from the model's config alone: no weights, no tokenizer, no data
+        return dry_run_plan(run, ds_config_path, resume)
     world, rank = eng.world_size(), eng.rank()
-    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
+    local = local_run(run)  # hub ids -> local snapshots (rank 0 downloads first); `run` keeps the ids
     d, t = run.data, run.train
-    tok_dir = rank_zero_first(lambda: resolve_tokenizer_dir(run))
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-    model_config = model_config_for(run, tokenizer)
+    tok_dir = rank_zero_first(lambda: resolve_tokenizer_dir(local))
+    tokenizer = load_tokenizer_dir(tok_dir)
+    model_config = model_config_for(local, tokenizer)
     ds_config = eng.prepare_ds_config(ds_config_path, run, world)
     resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
 
@@ -214,12 +216,13 @@ def run_pretrain(
         [d.max_len] * len(dataset), t.micro_batch_size, rank=rank, world_size=world, seed=t.seed
     )
     total = total_updates_for(run, len(sampler))
-    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
-    if engine is None:
-        return built
+    engine, _ = build_engine(
+        local, model_config, ds_config, total, len(dataset), False, resume_from, as_written=run
+    )
     task = PretrainTask(t, model_config, dataset, sampler, packed_collate, validation=validation)
+    tokenizer_name = recorded_tokenizer(run, tok_dir)
     trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, str(tok_dir), fingerprint, faults=faults
+        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, faults=faults
     )
     summary = trainer.train()
     summary.update(
@@ -310,16 +313,16 @@ def main(
             write_summary(out, summary)
         val = summary.get("validation")
         lines = [
-            f"\ndone: {summary['total_updates']} updates ({summary['epochs']:.2f} epochs of "
-            f"{summary['tokens_per_epoch']:,} tokens)"
-            + (f", final loss {summary['history'][-1]['loss']:.4f}" if summary["history"] else ""),
+            f"\n{launching.outcome(summary, run.train.stop_at)} ({summary['epochs']:.2f} epochs of "
+            f"{summary['tokens_per_epoch']:,} tokens planned)",
         ]
         if val:
             lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
         lines += [
             f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
             f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
-            f"resume with:      {launching.resume_command('launch/pretrain.py', args.deepspeed, rest)}",
+            "resume with:      "
+            + launching.resume_command("launch/pretrain.py", args.deepspeed, rest, args.config),
             f"evaluate with:    python launch/evaluate.py {out}",
         ]
         print("\n".join(lines), flush=True)

@@ -5,8 +5,10 @@ the trainer (``run_sft``). The demo's tokenizer and chat data are prepared offli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
@@ -15,6 +17,8 @@ from mdlmpe_ds.runs.common import (
     assert_same_on_all_ranks,
     build_engine,
     check_resume_data,
+    dry_run_plan,
+    load_tokenizer_dir,
     model_config_for,
     prepare_resume,
     rank_zero_first,
@@ -79,6 +83,63 @@ def build_sft_data(run: RunConfig, source: str, tokenizer, family: str):
     return dataset, fingerprint
 
 
+@dataclasses.dataclass
+class SFTInputs:
+    """What an SFT run reads before its engine: the local copy of the run (hub ids resolved), the
+    tokenizer, the model config, and (after ``load_data``) the tokenised data, sampler and collator."""
+
+    local: RunConfig
+    tokenizer_dir: str
+    source: str
+    tokenizer: Any
+    model_config: Any
+    dataset: Any = None
+    fingerprint: str = ""
+    sampler: Any = None
+    collator: Any = None
+
+
+def sft_inputs(run: RunConfig) -> SFTInputs:
+    """Resolve the hub ids (rank 0 downloads first; ``run`` keeps the ids), load the tokenizer and
+    make the model config."""
+    from mdlmpe_ds.hub.resolve import local_run
+
+    local = local_run(run)
+    tok_dir, source = resolve_sources(local)
+    tokenizer = load_tokenizer_dir(tok_dir)
+    return SFTInputs(local, str(tok_dir), source, tokenizer, model_config_for(local, tokenizer))
+
+
+def load_data(run: RunConfig, inputs: SFTInputs) -> SFTInputs:
+    """Tokenise (or load from the cache) the chat data, and make this rank's sampler and the collator."""
+    from mdlmpe_ds.data.sampler import LengthGroupedSampler
+    from mdlmpe_ds.data.sft import SFTCollator, eos_pad_id
+
+    t, d = run.train, run.data
+    family = inputs.model_config.family
+    inputs.dataset, inputs.fingerprint = build_sft_data(run, inputs.source, inputs.tokenizer, family)
+    lengths = inputs.dataset.lengths
+    inputs.sampler = LengthGroupedSampler(
+        lengths, t.micro_batch_size, rank=eng.rank(), world_size=eng.world_size(), seed=t.seed
+    )
+    inputs.collator = SFTCollator(
+        eos_pad_id(inputs.tokenizer),
+        max_len=d.max_len,
+        attend_padding=d.attend_padding,
+        perbatch_cutoff=d.perbatch_cutoff,
+        resp_cutoff_ratio=d.resp_cutoff_ratio,
+        pad_to_multiple_of=d.pad_to_multiple_of,
+        seed=t.seed,
+    )
+    compiled = inputs.model_config.position_encoding == "mdlmpe" and run.attention.compile
+    if compiled and not d.pad_to_multiple_of and d.perbatch_cutoff == "none":
+        log.warning(
+            "attention.compile with batches as wide as their longest row: every new width "
+            "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
+        )
+    return inputs
+
+
 def run_sft(
     run: RunConfig,
     ds_config_path: str,
@@ -88,52 +149,30 @@ def run_sft(
     allow_changes: list[str] | None = None,
 ) -> dict:
     """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
-    (except dry runs, which build on the meta device and need no process group). ``faults``: test
-    hooks (mdlmpe_ds/faults.py)."""
-    from transformers import AutoTokenizer
-
-    from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.data.sft import SFTCollator, eos_pad_id
-    from mdlmpe_ds.hub.resolve import resolve_run_names
+    (except dry runs, which plan from the model's config alone on the meta device and need no
+    process group). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
+    from mdlmpe_ds.hub.resolve import recorded_tokenizer
     from mdlmpe_ds.tasks.sft import SFTTask
     from mdlmpe_ds.trainer import Trainer
 
-    world, rank = eng.world_size(), eng.rank()
+    if dry_run:  # from the model's config alone: no weights, no tokenizer, no data
+        return dry_run_plan(run, ds_config_path, resume)
     t = run.train
-    resolve_run_names(run)  # hub ids -> local snapshots (rank 0 downloads first)
-    tok_dir, source = resolve_sources(run)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    model_config = model_config_for(run, tokenizer)
-    ds_config = eng.prepare_ds_config(ds_config_path, run, world)
+    inputs = sft_inputs(run)
+    model_config = inputs.model_config
+    ds_config = eng.prepare_ds_config(ds_config_path, run, eng.world_size())
     resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
-
-    dataset, fingerprint = build_sft_data(run, source, tokenizer, model_config.family)
-    check_resume_data(resume_from, fingerprint, run)
-    lengths = dataset.lengths
-    sampler = LengthGroupedSampler(lengths, t.micro_batch_size, rank=rank, world_size=world, seed=t.seed)
-    total = total_updates_for(run, len(sampler))
-    collator = SFTCollator(
-        eos_pad_id(tokenizer),
-        max_len=run.data.max_len,
-        attend_padding=run.data.attend_padding,
-        perbatch_cutoff=run.data.perbatch_cutoff,
-        resp_cutoff_ratio=run.data.resp_cutoff_ratio,
-        pad_to_multiple_of=run.data.pad_to_multiple_of,
-        seed=t.seed,
+    load_data(run, inputs)
+    check_resume_data(resume_from, inputs.fingerprint, run)
+    total = total_updates_for(run, len(inputs.sampler))
+    engine, _ = build_engine(
+        inputs.local, model_config, ds_config, total, len(inputs.dataset), False, resume_from, as_written=run
     )
-    compiled = model_config.position_encoding == "mdlmpe" and run.attention.compile
-    if compiled and not run.data.pad_to_multiple_of and run.data.perbatch_cutoff == "none":
-        log.warning(
-            "attention.compile with batches as wide as their longest row: every new width "
-            "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
-        )
-    engine, built = build_engine(run, model_config, ds_config, total, len(dataset), dry_run, resume_from)
-    if engine is None:
-        return built
-    task = SFTTask(t, model_config, dataset, sampler, collator)
+    task = SFTTask(t, model_config, inputs.dataset, inputs.sampler, inputs.collator)
+    tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
     trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, str(tok_dir), fingerprint, faults=faults
+        run, engine, model_config, task, total, resume_from, tokenizer_name, inputs.fingerprint, faults=faults
     )
     summary = trainer.train()
-    summary.update({"total_updates": total, "tokenizer": str(tok_dir), "output_dir": t.output_dir})
+    summary.update({"total_updates": total, "tokenizer": inputs.tokenizer_dir, "output_dir": t.output_dir})
     return summary

@@ -134,18 +134,24 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
         logits = model(probe["input_ids"], valid=probe["valid"]).float()
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
 
-    adapter = export.export(lora_straight / "checkpoints" / "latest", tmp_path / "adapter", adapter_only=True)
+    latest = lora_straight / "checkpoints" / "latest"
+    adapter = export.export(latest, tmp_path / "adapter", adapter_only=True)
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
     # staged and swapped in like the merged export: readable by others (safetensors writes 0600)
     assert {oct(p.stat().st_mode & 0o777) for p in adapter.iterdir()} == {"0o644"}
+    # the adapter onto the base export, as transformers + peft load them (export --base-only)
+    from transformers import AutoModel
+
+    base = export.export(latest, tmp_path / "base", base_only=True)
+    wrapped = PeftModel.from_pretrained(AutoModel.from_pretrained(base, trust_remote_code=True), str(adapter))
+    with torch.no_grad():
+        out = wrapped.eval()(probe["input_ids"], attention_mask=probe["valid"].long(), aligned=True)
+    torch.testing.assert_close(out.logits.float(), probe["logits"], rtol=1e-5, atol=1e-5)
+    # mdlmpe.safetensors: the same MDLMPE weights under our names, for our own DiffusionLM
     plain = DiffusionLM(model.config)
     shapes = {n: p.shape for n, p in plain.named_parameters()}
     weights = {**load_file(str(lora_straight / BASE_FILE)), **load_file(str(adapter / MDLMPE_FILE))}
     plain.load_state_dict({n: t.reshape(shapes[n]) for n, t in weights.items()}, strict=True)
-    wrapped = PeftModel.from_pretrained(plain, str(adapter)).eval()
-    with torch.no_grad():
-        logits = wrapped(probe["input_ids"], valid=probe["valid"]).float()
-    torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
 
 
 def test_lora_on_a_pretrained_directory_resumes_and_exports_from_the_base_name(

@@ -287,6 +287,26 @@ def test_resume_hint_drops_flags_a_resume_must_not_repeat():
         "deepspeed launch/sft.py --deepspeed ds_configs/zero3.json --max_len 64 --output_dir 'o d' "
         "--resume auto"
     )
+    # The run's --config file is part of the run; --stop_at repeated would stop again at once.
+    rest = ["--stop_at", "2", "--lr", "1e-4", "--train.stop_at=3"]
+    assert resume_command("launch/sft.py", "z.json", rest, config="run.yaml") == (
+        "deepspeed launch/sft.py --deepspeed z.json --config run.yaml --lr 1e-4 --resume auto"
+    )
+
+
+def test_outcome_line_counts_the_updates_reached():
+    from mdlmpe_ds.launching import outcome
+
+    one = [{"loss": 1.5}]
+    assert outcome({"step": 2, "total_updates": 4, "history": one * 2}, 2) == (
+        "stopped at update 2 of 4 (--stop_at 2), final loss 1.5000"
+    )
+    assert (
+        outcome({"step": 4, "total_updates": 4, "history": one}, None) == "done: 4 updates, final loss 1.5000"
+    )
+    assert outcome({"step": 2, "total_updates": 4, "history": []}, 2).startswith(
+        "nothing trained: the run is at update 2 of 4 and --stop_at is 2"
+    )
 
 
 def test_ranks_holding_other_data_fail_fast_naming_it(tmp_path):

@@ -31,3 +31,23 @@ def test_runbook_without_gpu_plans_then_stops_cleanly(tmp_path):
     )
     smoke = tmp_path / "smoke"  # nothing was trained (the dry run may leave its tokenised-data cache)
     assert not (smoke / "checkpoints").exists() and not (smoke / "metrics.jsonl").exists()
+
+
+def test_runbook_works_outside_a_checkout(tmp_path):
+    """An installed package has no tests/ folder: the runbook builds its smoke inputs from the
+    library. Run a copy of the script whose repository root holds nothing but launch/."""
+    import shutil
+
+    root = tmp_path / "installed"
+    (root / "launch").mkdir(parents=True)
+    shutil.copy2(REPO / "launch" / "gpu_check.py", root / "launch" / "gpu_check.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env.pop("DS_ACCELERATOR", None)
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "launch/gpu_check.py", "--length", "128", "--micro-batch", "1",
+        "--deepspeed", str(REPO / "ds_configs" / "zero3.json"), "--workdir", str(tmp_path / "work"),
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no GPU: stopping" in proc.stdout

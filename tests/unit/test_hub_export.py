@@ -72,11 +72,31 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, qwen_tokenizer_d
         cases = ((None, None), (valid, None), (valid, positions))
         for mask, pos in cases[:2] if encoding == "absolute" else cases:  # a fixed table: no positions
             want = ours(ids, mask, positions=pos)
-            got = theirs(ids, attention_mask=None if mask is None else mask.long(), position_ids=pos).logits
+            attention = None if mask is None else mask.long()
+            got = theirs(ids, attention_mask=attention, position_ids=pos, aligned=True).logits
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if family == "dream":  # raw logits stay available, next-token aligned as upstream
-            raw = theirs(ids, raw_logits=True).logits
+        if family == "dream":  # by default next-token aligned, as upstream Dream's logits
+            raw = theirs(ids).logits
             torch.testing.assert_close(raw[:, :-1], ours(ids)[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_dream_export_under_the_official_generation_convention(tmp_path, qwen_tokenizer_dir):
+    """Official Dream code shifts the model's logits itself (generation_utils.py ``_sample``:
+    ``cat([logits[:, :1], logits[:, :-1]])``, docs/models.md §2.3). On our Dream export that shift
+    gives our own sampler's logits at every position after the first, so the official sampler picks
+    the tokens ours picks; an export returning pre-shifted logits would be read one token off."""
+    model = _trained_looking("dream", "mdlmpe")
+    save_pretrained(model, tmp_path, model.config)
+    finish_export(tmp_path, "dream", qwen_tokenizer_dir)
+    theirs = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    ids, _ = _batch(model.config)
+    with torch.no_grad():
+        logits = theirs(ids).logits  # what the official code receives
+        official = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # what it then decodes
+        want = model(ids)
+    torch.testing.assert_close(official[:, 1:], want[:, 1:], rtol=1e-5, atol=1e-5)
+    masked = ids == model.config.mask_token_id
+    assert torch.equal(official.argmax(-1)[masked], want.argmax(-1)[masked])
 
 
 def test_masked_lm_auto_class_and_upstream_keys(tmp_path, qwen_tokenizer_dir):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mdlmpe_ds.config import build_config
-from mdlmpe_ds.hub.resolve import HubResolveError, resolve, resolve_run_names, split_dataset_name
+from mdlmpe_ds.hub.resolve import HubResolveError, local_run, resolve, split_dataset_name
 from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,15 +86,98 @@ def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_m
     from mdlmpe_ds.runs.sft import run_sft
 
     model_dir, chat = tiny_hub_model
-    snapshot = hub_cache("org/tiny-llada", model_dir)
+    hub_cache("org/tiny-llada", model_dir)
     args = ["--model_name_or_path", "org/tiny-llada", "--tokenizer", "org/tiny-llada", "--dataset", str(chat)]
     run = build_config(
         None, [*args, "--max_len", "48", "--max_steps", "2", "--output_dir", str(tmp_path / "o")]
     )
     result = run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
     assert result["total_updates"] == 2
-    assert run.model.model_name_or_path == str(snapshot) and run.data.tokenizer == str(snapshot)
-    assert "org/tiny-llada" not in capsys.readouterr().err
+    # The run config keeps what the user asked for: a checkpoint of it reproduces the run elsewhere.
+    assert run.model.model_name_or_path == "org/tiny-llada" and run.data.tokenizer == "org/tiny-llada"
+
+
+def _config_only(root: Path, family: str = "llada") -> Path:
+    """A model directory holding config.json alone (no weights, no tokenizer): what a dry run reads."""
+    from mdlmpe_ds.models.hf_io import hf_config_dict
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = preset(f"{family}-8b") if family == "llada" else preset("dream-7b")
+    (root / "config.json").write_text(json.dumps(hf_config_dict(config)))
+    return root
+
+
+def test_dry_run_plans_from_config_json_alone(hub_cache, tmp_path, caplog):
+    """The hub cache holds only config.json: no weights, no tokenizer, and the dataset is a hub name
+    that is never fetched. The plan has its units and, as a bf16 GPU plan, the CUDA allowance; an
+    fp32 plan on this CPU machine is one for CPU ranks, without it."""
+    import logging
+
+    from mdlmpe_ds.runs.sft import run_sft
+
+    hub_cache("GSAI-ML/LLaDA-8B-Instruct", _config_only(tmp_path / "cfg"))
+    args = [
+        "--model_name_or_path", "GSAI-ML/LLaDA-8B-Instruct", "--dataset", "allenai/tulu-3-sft-mixture",
+        "--max_len", "2048", "--max_steps", "2000", "--warmup_ratio", "0.03",
+        "--output_dir", str(tmp_path / "o"),
+    ]  # fmt: skip
+    ds = str(REPO / "ds_configs" / "zero3.json")
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds"):
+        gpu = run_sft(build_config(None, [*args, "--precision", "bf16"]), ds, dry_run=True)
+        cpu = run_sft(build_config(None, [*args, "--precision", "fp32"]), ds, dry_run=True)
+    assert gpu["params"]["backbone"] > 8e9 and gpu["total_updates"] == 2000
+    plan = gpu["plan"]
+    assert "vocabulary 126,464 tokens" in plan and "max_len 2048 tokens" in plan
+    assert "allenai/tulu-3-sft-mixture (not read in a dry run)" in plan
+    assert "warmup 60 updates" in plan and "CUDA context" in plan  # 3% of 2,000
+    assert "memory plan per GPU (estimate)" in plan
+    assert "CUDA context" not in cpu["plan"] and "memory plan per CPU rank (estimate)" in cpu["plan"]
+    assert not (tmp_path / "o" / "data_cache").exists()  # no data was tokenised
+
+
+def test_recipe_dry_run_needs_only_the_configs(hub_cache, tmp_path):
+    """--recipe llada-8b-sft names hub ids for model, tokenizer and data: its dry run needs nothing
+    but the model's config.json in the cache."""
+    from mdlmpe_ds import recipes
+    from mdlmpe_ds.runs.sft import run_sft
+
+    hub_cache("GSAI-ML/LLaDA-8B-Base", _config_only(tmp_path / "cfg"))
+    defaults = recipes.get("llada-8b-sft", "sft").defaults()
+    run = build_config(None, ["--output_dir", str(tmp_path / "o"), "--precision", "bf16"], defaults=defaults)
+    result = run_sft(run, str(REPO / "ds_configs" / "zero3.json"), dry_run=True)
+    assert "GSAI-ML/LLaDA-8B-Base" in result["plan"] and result["params"]["backbone"] > 8e9
+
+
+def test_a_model_directory_without_tokenizer_files_is_named_as_such(tmp_path):
+    from mdlmpe_ds.runs.sft import run_sft
+
+    model = _config_only(tmp_path / "model")
+    run = build_config(None, ["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o")])
+    with pytest.raises(FileNotFoundError, match=r"model: no tokenizer files .*pass --tokenizer"):
+        run_sft(run, str(REPO / "ds_configs" / "zero3.json"))
+
+
+def test_offline_advice_names_the_hf_command(hub_cache):
+    with pytest.raises(HubResolveError, match=r"hf download org/absent --revision v2") as err:
+        resolve("org/absent", revision="v2")
+    assert "huggingface-cli" not in str(err.value)
+
+
+def test_run_config_keeps_hub_ids_and_records_them(hub_cache, tiny_hub_model, tmp_path):
+    """local_run gives the snapshot folders to build from and leaves the run config as written; the
+    tokenizer a checkpoint records is the hub id, pinned by the model's revision when it is the
+    model's own repo."""
+    from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer
+
+    model_dir, _ = tiny_hub_model
+    snapshot = hub_cache("org/tiny-llada", model_dir, refs=("main", "v1"))
+    run = build_config(None, ["--model_name_or_path", "org/tiny-llada", "--revision", "v1"])
+    local = local_run(run)
+    assert local.model.model_name_or_path == str(snapshot)
+    assert run.model.model_name_or_path == "org/tiny-llada" and run.model.revision == "v1"
+    assert recorded_tokenizer(run, snapshot) == "org/tiny-llada@v1"
+    mine = build_config(None, ["--tokenizer", str(model_dir)])
+    assert recorded_tokenizer(mine, model_dir) == str(model_dir)
 
 
 def test_inference_loaders_take_hub_ids(hub_cache, tiny_hub_model):
@@ -138,7 +221,7 @@ def test_dataset_config_name_and_split(tmp_path, monkeypatch):
     assert len(load_sft_rows(f"{data}:all", split="test")) == 1
     run = build_config(None, ["--dataset", str(data), "--dataset_config", "all", "--dataset_split", "test"])
     assert run.data.split == "test"
-    resolve_run_names(run)
+    local_run(run)
     assert run.data.dataset == f"{data}:all"
     assert split_dataset_name("HuggingFaceTB/smoltalk:all") == ("HuggingFaceTB/smoltalk", "all")
     assert split_dataset_name("allenai/tulu-3-sft-mixture") == ("allenai/tulu-3-sft-mixture", None)

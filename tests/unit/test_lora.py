@@ -134,9 +134,9 @@ def test_reset_adapters_is_deterministic_and_starts_at_the_base():
 
 
 # ------------------------------------------------------------------------------------ export maths
-def _trained(spec: LoraSpec) -> tuple[DiffusionLM, dict[str, torch.Tensor]]:
+def _trained(spec: LoraSpec, family: str = "llada") -> tuple[DiffusionLM, dict[str, torch.Tensor]]:
     """A tiny adapter-wrapped model with non-zero adapters and MDLMPE, and its state dict."""
-    model = _tiny()
+    model = _tiny(family)
     lora.inject(model, spec)
     _randomize(model)
     return model.eval(), {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -183,6 +183,58 @@ def test_adapter_directory_loads_with_peft(tmp_path):
     ids = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ids), model(ids), rtol=0, atol=0)
+
+
+_NO_MDLMPE_DS = """
+import sys
+sys.modules["mdlmpe_ds"] = None  # this process cannot import the project
+import torch
+from peft import PeftModel
+from transformers import AutoModel
+
+base, adapter, ids, out = sys.argv[1:5]
+model = PeftModel.from_pretrained(AutoModel.from_pretrained(base, trust_remote_code=True), adapter).eval()
+with torch.no_grad():
+    torch.save(model(torch.load(ids), aligned=True).logits, out)
+"""
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_adapter_export_loads_with_peft_onto_the_base_export_without_mdlmpe_ds(tmp_path, family):
+    """The ecosystem's way: PeftModel.from_pretrained(AutoModel.from_pretrained(BASE, trust_remote_code=True),
+    ADAPTER) in a process that cannot import mdlmpe_ds gives the trained model's logits. BASE is the
+    base with the trained MDLMPE weights (export --base-only); the adapter names the exported
+    model's modules and the base's hub id and revision."""
+    import subprocess
+    import sys
+
+    from mdlmpe_ds.hub.export import finish_export
+    from mdlmpe_ds.models.hf_io import save_pretrained
+
+    spec = lora.parse("r=4,alpha=8,targets=q,k,o,gate,down")
+    model, state = _trained(spec, family)
+    base, adapters, mdlmpe = lora.split_state(state)
+    base_export = tmp_path / "base"
+    save_pretrained(lora.merge(base, {}, mdlmpe, spec), base_export, model.config)
+    finish_export(base_export, family, None)
+    lora.write_adapter_dir(
+        tmp_path / "adapter", adapters, mdlmpe, spec, "org/base-model", family=family, revision="v1"
+    )
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("org/base-model", "v1")
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids[:, 5:9] = model.config.mask_token_id
+    torch.save(ids, tmp_path / "ids.pt")
+    script = tmp_path / "load.py"
+    script.write_text(_NO_MDLMPE_DS)
+    args = [str(base_export), str(tmp_path / "adapter"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        want = model(ids)
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, rtol=1e-5, atol=1e-5)
 
 
 def test_split_state_refuses_half_an_adapter():
@@ -304,7 +356,7 @@ def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(cap
 
 
 def test_memory_plan_of_llada_8b_with_lora():
-    """The README's numbers: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
+    """The numbers of docs/gpu.md: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
     from mdlmpe_ds import engine as eng
     from mdlmpe_ds.config import build_config
     from mdlmpe_ds.memory_plan import plan_memory

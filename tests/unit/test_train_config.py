@@ -178,6 +178,14 @@ def _dry(args, tmp_path):
     return run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
 
 
+def _data(args, tmp_path):
+    """The data half of an SFT run (a dry run reads no data): tokenizer, tokenised data, collator."""
+    from mdlmpe_ds.runs.sft import load_data, sft_inputs
+
+    run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
+    return load_data(run, sft_inputs(run))
+
+
 def test_dry_run_plan(fixture_data, tmp_path, capsys):
     tok, chat = fixture_data
     result = _dry(
@@ -205,12 +213,12 @@ def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
     tok, chat = fixture_data
     base = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
     compiled = [*base, "--attention.compile", "true"]
-    _dry(compiled, tmp_path)
+    _data(compiled, tmp_path)
     assert "set data.pad_to_multiple_of" in capsys.readouterr().out
-    _dry([*compiled, "--pad_to_multiple_of", "16"], tmp_path)
+    _data([*compiled, "--pad_to_multiple_of", "16"], tmp_path)
     assert "set data.pad_to_multiple_of" not in capsys.readouterr().out
     assert made[-1].pad_to_multiple_of == 16
-    _dry(base, tmp_path)
+    _data(base, tmp_path)
     assert "set data.pad_to_multiple_of" not in capsys.readouterr().out  # eager: any width is fine
     with pytest.raises(ValueError, match=r"data\.pad_to_multiple_of=0"):
         build_config(None, ["--pad_to_multiple_of", "0"])
@@ -224,10 +232,10 @@ def test_sft_data_cached_under_the_output_dir(fixture_data, tmp_path, caplog):
 
     tok, chat = fixture_data
     args = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
-    _dry(args, tmp_path)
+    _data(args, tmp_path)
     assert len(list((tmp_path / "out" / "data_cache").glob("sft-*.npz"))) == 1
     with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft"):
-        _dry(args, tmp_path)
+        _data(args, tmp_path)
     assert "loaded from cache" in caplog.text
 
 
@@ -241,7 +249,7 @@ def test_setup_timeout_is_its_own_setting():
 def test_missing_dataset_file(fixture_data, tmp_path):
     tok, _ = fixture_data
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
-        _dry(["--tokenizer", str(tok), "--dataset", str(tmp_path / "nope.jsonl")], tmp_path)
+        _data(["--tokenizer", str(tok), "--dataset", str(tmp_path / "nope.jsonl")], tmp_path)
 
 
 def test_malformed_row_names_file_and_row(fixture_data, tmp_path):
@@ -253,7 +261,7 @@ def test_malformed_row_names_file_and_row(fixture_data, tmp_path):
     )
     bad.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl.*row 3"):
-        _dry(["--tokenizer", str(tok), "--dataset", str(bad)], tmp_path)
+        _data(["--tokenizer", str(tok), "--dataset", str(bad)], tmp_path)
 
 
 def test_checkpoint_from_another_model(fixture_data, tmp_path):
