@@ -14,8 +14,9 @@ language that is not known, or a placeholder that is not known fails the test.
   the fixture's tiny run and export when the paths they name exist there (``outputs/llada-sft`` is
   the demo run; ``SMALL`` appends CPU sizes); with a hub id or another machine's path, their
   argument parser must accept them.
-- Long studies, benchmarks and the GPU runbook: their parser must accept the arguments (their own
-  tests run them).
+- Long studies, benchmarks (launch/benchmark.py: tests/unit/test_benchmark_e2e.py runs the same
+  suite on the same tiny pair) and the GPU runbook: their parser must accept the arguments (their
+  own tests run them). Small scripts that build their own inputs (the benchmark's tiny pair) run.
 - ``make`` targets must exist; ``pip install -e '.[x]'`` extras must be declared.
 - ``python`` blocks run in a process that cannot import mdlmpe_ds (the transformers snippet).
 """
@@ -155,8 +156,9 @@ HANDLERS = [
     (r"launch/(export|generate|evaluate)\.py", "tool"),
     (r"-m mdlmpe_ds\.(analysis|engine)", "tool"),
     (r"-m mdlmpe_ds\.evaluation\.lm_eval_adapter", "lm_eval"),
-    (r"launch/(mechanism_study|gpu_check|analyze)\.py|benchmarks/\w+\.py", "parse"),
+    (r"launch/(mechanism_study|gpu_check|analyze|benchmark)\.py|benchmarks/\w+\.py", "parse"),
     (r"-m mdlmpe_ds\.data\.(assets|corpora)", "parse"),
+    (r"tests/unit/benchmark_fixtures\.py", "run"),
     (r"make", "make"),
     (r"pip", "pip"),
 ]
@@ -486,6 +488,9 @@ def test_cpu_commands_run_as_written(workspace):
             small = SMALL.get(cmd.target, [])
             words = [sys.executable, *cmd.launcher[1:], *cmd.target.split(), *substituted(cmd), *small]
             _run(words, root, cmd.where)
+            ran.append(cmd.where)
+        elif kind == "run":  # a small script that builds its own inputs (seconds): run as written
+            _run([sys.executable, str(REPO / cmd.target), *substituted(cmd)], root, cmd.where)
             ran.append(cmd.where)
         elif kind == "lm_eval":
             _run(_lm_eval_on_cpu(cmd, root), root, cmd.where)
