@@ -37,13 +37,21 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
-def _alive(pid: int, ticks: int | None) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; a process of another user counts).
+    Shared by every owner file that names a pid: this lock, export staging, token-store builds."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def _alive(pid: int, ticks: int | None) -> bool:
+    if not pid_alive(pid):
+        return False
     now = _start_ticks(pid)
     return ticks is None or now is None or now == ticks
 

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from mdlmpe_ds import stop_request
+from mdlmpe_ds.run_lock import pid_alive
 
 STORE_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -267,16 +268,6 @@ def _finish_doc_ends(staging: Path, num_docs: int) -> None:
     raw.unlink()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _staging_prefix(path: Path) -> str:
     return f".{path.name}.staging-"
 
@@ -289,7 +280,7 @@ def _remove_stale(path: Path) -> list[Path]:
     for staging in path.parent.glob(_staging_prefix(path) + "*"):
         owner = staging.name[len(_staging_prefix(path)) :]
         owner_host, _, pid = owner.rpartition("-")
-        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+        if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(staging, ignore_errors=True)
             removed.append(staging)
     if path.exists() and not is_complete(path):

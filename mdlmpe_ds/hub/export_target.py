@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mdlmpe_ds.hub.export import TOKENIZER_FILES
+from mdlmpe_ds.run_lock import pid_alive
 
 #: Every name an export (merged, or --adapter-only) may write; anything else in an existing target is
 #: the user's, and an export refuses to delete it.
@@ -123,18 +124,8 @@ def _remove_debris(out: Path) -> None:
     for infix in (_STAGING_INFIX, _ASIDE_INFIX):
         for path in out.parent.glob(f".{out.name}{infix}*"):
             owner_host, _, pid = path.name.split(infix, 1)[1].rpartition("-")
-            if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
