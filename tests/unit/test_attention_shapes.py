@@ -420,8 +420,8 @@ def test_phase_launches_cover_the_pair_plane_once(length, launch, budget_rows):
     pytest.importorskip("triton")
     from mdlmpe_ds.attention.triton import backend
 
-    case = Case(length, pads=(0, 0), dtype="bfloat16" if launch != "default" else "float32", launch=launch)
-    case = Case(**{**asdict(case), "budget_rows": budget_rows, "pads": (0, 0)})
+    dtype = "bfloat16" if launch != "default" else "float32"
+    case = Case(length, pads=(0, 0), dtype=dtype, launch=launch, budget_rows=budget_rows)
     kwargs = _launch_kwargs(case)
     q = torch.zeros(2, 2, length, case.head_dim, dtype=getattr(torch, case.dtype))
     config = backend.resolve_launch(q, kwargs.get("block_size"), phase_tile=kwargs.get("phase_tile"))
