@@ -4,6 +4,8 @@
   the choice is made per call from the tensors' device (:func:`choose_backend`) and logged once
   per (device type, backend).
 - ``reference``: materialises the pair tensor; the spec (tests, tiny inputs).
+- ``dense``: the pair phases once per call, the correction as an additive bias, plain autograd;
+  O(L^2 |M|) memory per head: short rows (the studies, tests) on any device (attention/dense.py).
 - ``blocked``: query blocks of C rows, O(C L F) extra memory, per-block recomputation (eager or
   compiled as ``compile`` says); the CPU path (attention/blocked.py, maths in blocked_math.py).
 - ``triton``: fused GPU kernel (needs triton and CUDA tensors, or TRITON_INTERPRET=1 in tests).
@@ -57,6 +59,10 @@ def resolve_backend(name: str) -> AttentionFn:
         from mdlmpe_ds.attention.reference import reference_attention
 
         return reference_attention
+    if name == "dense":
+        from mdlmpe_ds.attention.dense import dense_attention
+
+        return dense_attention
     if name == "blocked":
         from mdlmpe_ds.attention.blocked import blocked_attention
 

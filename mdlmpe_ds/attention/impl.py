@@ -13,7 +13,9 @@ from typing import Any
 
 # "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
 # call from the tensors' device and logged (attention.choose_backend).
-ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton")
+# "dense": the pair phases of a layer formed once and the correction added as a bias, with plain
+# autograd (attention/dense.py): O(L^2 |M|) memory per head, for short rows (studies, tests).
+ATTENTION_BACKENDS = ("auto", "reference", "dense", "blocked", "triton")
 
 
 @dataclass
@@ -53,9 +55,9 @@ class AttentionImpl:
 
     @property
     def keeps_pair_tensors(self) -> bool:
-        """Whether the attention keeps O(L^2) pair tensors for backward (the reference only); every
-        other backend recomputes them per block or tile, so layer checkpointing may leave it out."""
-        return self.backend == "reference"
+        """Whether the attention keeps O(L^2) pair tensors for backward (reference, dense); the
+        others recompute them per block or tile, so layer checkpointing may leave them out."""
+        return self.backend in ("reference", "dense")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
