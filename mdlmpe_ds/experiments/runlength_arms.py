@@ -61,7 +61,9 @@ class GapOracle(nn.Module):
         return x + self.table(self.gap.clamp(max=self.max_run + 1)).to(x.dtype), features
 
 
-def build_arm(arm: str, geometry: Geometry, seed: int, extra: dict | None = None) -> tuple[DiffusionLM, GapOracle | None]:
+def build_arm(
+    arm: str, geometry: Geometry, seed: int, extra: dict | None = None
+) -> tuple[DiffusionLM, GapOracle | None]:
     """The arm's model with the seed's matched initial weights (and its oracle module, or None).
     ``extra``: more ``mdlmpe`` config keys (e.g. another arm defined by the caller)."""
     if arm not in ARMS:

@@ -13,7 +13,8 @@ Token ids: 0 = SEP, k = L_k (1..K), K + 1 = the mask. Two maskings of the same r
   visible, and only masked tokens whose run keeps at least one visible token are scored: a visible
   L_k of the same run gives the answer, so the layout adds nothing a model could not copy.
 
-Runs cut by the row end are never scored. Everything is drawn from explicit generators, so a seed
+Runs cut by the row end, or reaching it (no visible SEP after them), are never scored. Everything
+is drawn from explicit generators, so a seed
 fixes the rows, the masks and the evaluation set.
 """
 
@@ -48,7 +49,8 @@ class Geometry:
         return self.max_run + 2
 
 
-GEOMETRIES = {g.name: g for g in (Geometry(64, 8), Geometry(128, 16))}
+# The study's two geometries, and a seconds-sized one for --toy and the tests.
+GEOMETRIES = {g.name: g for g in (Geometry(64, 8), Geometry(128, 16), Geometry(16, 3))}
 
 
 @dataclass
@@ -83,7 +85,8 @@ def clean_rows(geometry: Geometry, rows: int, generator: torch.Generator) -> tup
     for r in range(rows):
         tokens, runs, whole = [], [], []
         for k in draws[r].tolist():
-            fits = len(tokens) + 1 + k <= length
+            # complete: the next SEP is inside the row (a run that reaches the row end might go on)
+            fits = len(tokens) + 1 + k < length
             tokens += [SEP] + [k] * k
             runs += [0] + [k] * k
             whole += [True] + [fits] * k

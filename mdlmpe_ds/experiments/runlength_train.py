@@ -13,6 +13,7 @@ only when nothing that changes its numbers has changed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -44,7 +45,11 @@ class RunSettings:
     eval_seed: int = 1234
 
     def validate(self) -> RunSettings:
-        if not self.eval_at or self.eval_at[-1] != self.updates or list(self.eval_at) != sorted(set(self.eval_at)):
+        if (
+            not self.eval_at
+            or self.eval_at[-1] != self.updates
+            or list(self.eval_at) != sorted(set(self.eval_at))
+        ):
             raise ValueError(f"eval_at {self.eval_at} must be increasing and end at updates={self.updates}")
         return self
 
@@ -167,5 +172,5 @@ def area_log_ce(history: list[dict], key: str = "ce") -> float:
     points = [(e["update"], math.log(max(e[key], 1e-6))) for e in history]
     if len(points) < 2:
         return points[0][1] if points else math.nan
-    area = sum((u1 - u0) * (a + b) / 2 for (u0, a), (u1, b) in zip(points, points[1:]))
+    area = sum((u1 - u0) * (a + b) / 2 for (u0, a), (u1, b) in itertools.pairwise(points))
     return area / (points[-1][0] - points[0][0])

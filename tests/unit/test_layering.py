@@ -20,6 +20,7 @@ LEVELS: dict[str, int] = {
     "runs": 90,  # run assembly: config, tokenizer, data, engine, tracker, resume
     "compare": 90,  # the encoding comparison: trains through runs.pretrain's entry, then evaluates
     "evaluation": 80,
+    "experiments": 84,  # the studies: build models, train in-process, evaluate, report
     "analysis": 82,  # diagnostics of any model evaluation's loader reads (exports, runs, hub ids)
     "hub": 80,  # export (the hub's name resolution is a bottom utility: hub.resolve)
     "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
