@@ -7,7 +7,7 @@ its window (``llada-mech``: d 96, 3 layers, 3 heads of d_h 32, so F = 16, at L =
 then scores every model on the same held-out windows and masks under each layout, and the MDLMPE
 models again with their availability layout knocked out (evaluation/knockout.py)::
 
-    python launch/mechanism_study.py                 # 2 seeds x {rope, mdlmpe}, 800 updates, CPU
+    python launch/mechanism_study.py                 # 5 seeds x {rope, mdlmpe}, 800 updates, CPU
     python launch/mechanism_study.py --toy --out /tmp/mech   # seconds-sized models, for the tests
     python launch/mechanism_study.py --seeds 0 1 2 --max_steps 1200   # flags it does not know go to
                                                                       # every launch/pretrain.py run
@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds import compare
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
     from mdlmpe_ds.evaluation.layout_eval import LayoutEvalSettings
-    from mdlmpe_ds.evaluation.mechanism_study import evaluate_run, summarise_study, write_report
+    from mdlmpe_ds.evaluation.mechanism_study import (
+        evaluate_run,
+        reference_lines,
+        summarise_study,
+        write_report,
+    )
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--toy", action="store_true", help="seconds-sized runs and scoring (tests)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--encodings", nargs="+", default=["rope", "mdlmpe"], choices=["rope", "mdlmpe"])
     parser.add_argument("--out", default="outputs/mechanism")
     parser.add_argument("--deepspeed", default=str(REPO / "ds_configs" / "zero3.json"))
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             evaluated[(encoding, seed)], reused = evaluate_run(directory, corpus, settings)
             what = "scores reused" if reused else f"scored in {time.perf_counter() - began:.0f} s"
             print(f"[mechanism] {encoding} seed {seed}: {what}", flush=True)
-    summary = summarise_study(evaluated, settings)
+    first = compare.run_dir(out, args.encodings[0], args.seeds[0])
+    reference = reference_lines(out, first, corpus, _flag(flags, "dataset"), settings)
+    summary = summarise_study(evaluated, settings, reference)
     meta = {
         "training": "launch/pretrain.py " + " ".join(flags),
         "corpus": corpus,

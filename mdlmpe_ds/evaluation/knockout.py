@@ -25,6 +25,7 @@ import torch
 
 from mdlmpe_ds.pe.availability import gaussian_taps, token_summaries
 from mdlmpe_ds.pe.encoder import AvailabilityFeatures, MDLMPEEncoder
+from mdlmpe_ds.pe.phase import PhaseMLP
 
 KNOCKOUTS = ("shuffle", "constant")
 
@@ -92,3 +93,43 @@ def layout_knockout(model: torch.nn.Module, mode: str, seed: int = 0) -> Iterato
         yield
     finally:
         del encoder.features
+
+
+@contextmanager
+def mdlmpe_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: gamma -> 0 and delta -> 0 on the model's trained weights (the embedding gate closed,
+    every phase MLP's output layer zeroed), so the model is exactly its RoPE backbone; the weights
+    are restored on exit. What the trained model gets from MDLMPE as a whole, where the layout
+    knockouts measure what it gets from *where* the visible tokens are."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        encoder = mdlmpe_encoder(model)
+        if encoder is not None and encoder.gate_logit is not None:
+            saved.append((encoder.gate_logit, encoder.gate_logit.clone()))
+            encoder.gate_logit.fill_(float("-inf"))  # gamma = gamma_max * sigmoid(-inf) = 0
+        for module in model.modules():
+            if isinstance(module, PhaseMLP):
+                for p in (module.fc2.weight, module.fc2.bias):
+                    saved.append((p, p.clone()))
+                    p.zero_()  # delta = tau_max * tanh(0) = 0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in saved:
+                p.copy_(value)
+
+
+def shuffle_context(
+    ids: torch.Tensor, valid: torch.Tensor, mask_id: int, generator: torch.Generator
+) -> torch.Tensor:
+    """The context knockout: each row's visible tokens permuted among the visible positions; the
+    mask layout, padding and positions unchanged. A model that uses its context loses it; a model
+    at its unigram plateau does not notice. ids, valid [B, L] -> [B, L]."""
+    out = ids.clone()
+    visible = (ids != mask_id) & valid.bool()
+    for row in range(ids.shape[0]):
+        where = visible[row].nonzero().flatten()
+        perm = torch.randperm(where.numel(), generator=generator).to(where.device)
+        out[row, where] = ids[row, where[perm]]
+    return out

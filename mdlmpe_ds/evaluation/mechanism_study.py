@@ -1,8 +1,12 @@
 """The mechanism study's evaluation and report (launch/mechanism_study.py).
 
 For every trained run: the paired layout evaluation (``layout_eval.score_layouts``) on the same
-windows and masks, and again under the two layout knockouts (``knockout.py``; RoPE runs get the
-shuffle knockout only, as the control that must change nothing). Each
+windows and masks, and again under the knockouts (``knockout.py``): the two layout knockouts and
+MDLMPE off (MDLMPE runs), the context knockout (visible tokens shuffled; every run: it shows whether
+a model uses its context at all), and the shuffle knockout on RoPE runs as the control that must
+change nothing. Beside them the reference lines of the same windows and masks
+(``reference_lines.py``: unigram, bigram), which a model must beat before its knockouts mean
+anything. Each
 run's sums are cached in ``<run>/mechanism_eval.json`` keyed by the settings and the corpus, so a
 re-run scores only what is missing. The report pairs, per seed, MDLMPE against RoPE (same seed:
 same initial-weight seed, data order and training masks) and each knockout against the plain
@@ -18,7 +22,9 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from mdlmpe_ds.evaluation.knockout import KNOCKOUTS, layout_knockout
+import torch
+
+from mdlmpe_ds.evaluation.knockout import KNOCKOUTS, layout_knockout, mdlmpe_off, shuffle_context
 from mdlmpe_ds.evaluation.layout_eval import (
     LayoutEvalSettings,
     WindowScores,
@@ -31,6 +37,14 @@ from mdlmpe_ds.evaluation.layout_eval import (
 )
 
 CACHE = "mechanism_eval.json"
+REFERENCE_CACHE = "reference_lines.json"
+# Every knockout of an MDLMPE run; a RoPE run gets the shuffle control and the context knockout.
+MDLMPE_MODES = (*KNOCKOUTS, "off", "context")
+ROPE_MODES = ("shuffle", "context")
+
+
+def _modes(encoding: str) -> tuple[str, ...]:
+    return MDLMPE_MODES if encoding == "mdlmpe" else ROPE_MODES
 
 
 def evaluate_run(
@@ -44,10 +58,9 @@ def evaluate_run(
     cache = directory / CACHE
     if cache.is_file():
         saved = json.loads(cache.read_text())
-        if (
-            json.loads(json.dumps(wanted)) == {k: saved.get(k) for k in wanted}
-            and "shuffle" in saved["scores"]
-        ):
+        if json.loads(json.dumps(wanted)) == {k: saved.get(k) for k in wanted} and set(
+            _modes(saved.get("encoding", "mdlmpe"))
+        ) <= set(saved["scores"]):
             return {name: scores_from_json(s) for name, s in saved["scores"].items()}, True
     model, tok_dir = load_model(directory)
     tokenizer = load_tokenizer(tok_dir)
@@ -58,14 +71,57 @@ def evaluate_run(
         return model(ids, valid=valid)
 
     out = {"plain": score_layouts(logits, batches, mask_id, settings)}
-    modes = KNOCKOUTS if model.config.position_encoding == "mdlmpe" else ("shuffle",)
-    for mode in modes:
-        with layout_knockout(model, mode, seed=settings.seed):
-            out[mode] = score_layouts(logits, batches, mask_id, settings)
+    encoding = model.config.position_encoding
+    for mode in _modes(encoding):
+        if mode == "off":
+            with mdlmpe_off(model):
+                out[mode] = score_layouts(logits, batches, mask_id, settings)
+        elif mode == "context":
+            generator = torch.Generator().manual_seed(settings.seed)
+
+            def shuffled(ids, valid, generator=generator):
+                return model(shuffle_context(ids, valid, mask_id, generator), valid=valid)
+
+            out[mode] = score_layouts(shuffled, batches, mask_id, settings)
+        else:
+            with layout_knockout(model, mode, seed=settings.seed):
+                out[mode] = score_layouts(logits, batches, mask_id, settings)
     tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**wanted, "scores": {k: scores_to_json(v) for k, v in out.items()}}) + "\n")
+    payload = {**wanted, "encoding": encoding, "scores": {k: scores_to_json(v) for k, v in out.items()}}
+    tmp.write_text(json.dumps(payload) + "\n")
     tmp.replace(cache)
     return out, False
+
+
+def reference_lines(
+    out: Path, directory: Path, corpus: str, train_corpus: str, settings: LayoutEvalSettings
+) -> dict[str, dict[str, WindowScores]]:
+    """The unigram and bigram reference lines (reference_lines.py) of ``corpus``'s scored windows,
+    fitted on ``train_corpus`` with the tokenizer of the run in ``directory``; cached in
+    ``<out>/reference_lines.json`` under the settings, both corpora and the tokenizer."""
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+    from mdlmpe_ds.evaluation.reference_lines import ngram_log_probs, reference_scores
+
+    model, tok_dir = load_model(directory)
+    wanted = json.loads(
+        json.dumps(
+            {"settings": asdict(settings), "corpus": corpus, "train": train_corpus, "tokenizer": str(tok_dir)}
+        )
+    )
+    cache = out / REFERENCE_CACHE
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if {k: saved.get(k) for k in wanted} == wanted:
+            return {name: scores_from_json(s) for name, s in saved["scores"].items()}
+    tokenizer = load_tokenizer(tok_dir)
+    cfg = model.config
+    log_uni, log_bi = ngram_log_probs(train_corpus, tokenizer, settings.seq_len, cfg.vocab_size)
+    batches = corpus_batches(corpus, tokenizer, settings, cfg.family)
+    scores = reference_scores(batches, cfg.mask_token_id, settings, log_uni, log_bi)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**wanted, "scores": {k: scores_to_json(v) for k, v in scores.items()}}) + "\n")
+    tmp.replace(cache)
+    return scores
 
 
 def _pair(a: WindowScores, b: WindowScores, nb: int) -> dict:
@@ -99,9 +155,12 @@ def _across(cells: list[dict]) -> dict:
 
 
 def summarise_study(
-    evaluated: dict[tuple[str, int], dict[str, dict[str, WindowScores]]], settings: LayoutEvalSettings
+    evaluated: dict[tuple[str, int], dict[str, dict[str, WindowScores]]],
+    settings: LayoutEvalSettings,
+    reference: dict[str, dict[str, WindowScores]] | None = None,
 ) -> dict:
-    """Every number of the report from ``{(encoding, seed): evaluate_run(...)}``."""
+    """Every number of the report from ``{(encoding, seed): evaluate_run(...)}`` and the reference
+    lines ``{"unigram": {layout: scores}, ...}`` of the same windows and masks."""
     layouts, nb = list(settings.layouts), len(settings.buckets) - 1
     seeds = sorted({seed for _, seed in evaluated})
     labels = [f"[{lo:g}, {hi:g})" for lo, hi in zip(settings.buckets[:-1], settings.buckets[1:])]
@@ -113,7 +172,12 @@ def summarise_study(
             nll.setdefault(encoding, {}).setdefault(layout, []).append(
                 {"seed": seed, "nll": value, "se": se, "tokens": sum(s.tokens)}
             )
-    out: dict = {"layouts": layouts, "buckets": labels, "seeds": seeds, "nll": nll}
+    out: dict = {"layouts": layouts, "buckets": labels, "seeds": seeds, "nll": nll, "reference": {}}
+    for name, scores in (reference or {}).items():
+        out["reference"][name] = {}
+        for layout in layouts:
+            value, se = ratio_se(scores[layout].loss, scores[layout].tokens)
+            out["reference"][name][layout] = {"nll": value, "se": se}
     paired_seeds = [s for s in seeds if ("rope", s) in evaluated and ("mdlmpe", s) in evaluated]
     if paired_seeds:
         out["mdlmpe_minus_rope"] = {}
@@ -129,7 +193,9 @@ def summarise_study(
             out["mdlmpe_minus_rope"][layout] = {**_across(cells), "buckets": buckets}
     knock_seeds = [s for s in seeds if ("mdlmpe", s) in evaluated]
     out["knockout"] = {}
-    for mode in KNOCKOUTS:
+    for mode in MDLMPE_MODES:
+        if not all(mode in evaluated[("mdlmpe", s)] for s in knock_seeds):
+            continue  # scored before this knockout existed
         out["knockout"][mode] = {}
         for layout in layouts:
             cells = [
@@ -146,6 +212,19 @@ def summarise_study(
     ]
     if control:  # a RoPE model has no availability features: its knockout must change nothing
         out["rope_knockout_max_abs_delta"] = max(abs(d) for d in control)
+    rope_seeds = [s for s in seeds if ("rope", s) in evaluated and "context" in evaluated[("rope", s)]]
+    if rope_seeds:
+        out["rope_context"] = {
+            layout: _across(
+                [
+                    _pair(
+                        evaluated[("rope", s)]["context"][layout], evaluated[("rope", s)]["plain"][layout], nb
+                    )
+                    for s in rope_seeds
+                ]
+            )
+            for layout in layouts
+        }
     return out
 
 
@@ -180,8 +259,18 @@ def markdown(summary: dict, settings: LayoutEvalSettings, meta: dict) -> str:
                 row.append(f"{hit[0]['nll']:.4f} ± {hit[0]['se']:.4f}" if hit else "–")
             if any(r != "–" for r in row):
                 lines.append(f"| {encoding} seed {seed} | " + " | ".join(row) + " |")
+    for name, cells in summary.get("reference", {}).items():
+        row = [f"{cells[layout]['nll']:.4f} ± {cells[layout]['se']:.4f}" for layout in layouts]
+        lines.append(f"| reference: {name} | " + " | ".join(row) + " |")
     tokens = [str(int(summary["nll"][next(iter(summary["nll"]))][lay][0]["tokens"])) for lay in layouts]
     lines.append("| tokens scored per model | " + " | ".join(tokens) + " |")
+    if summary.get("reference"):
+        lines += [
+            "",
+            "Reference lines (same windows, masks and weights): `unigram` ignores all context; "
+            "`bigram` sees each token's clean left neighbour even when it is masked. A model at the "
+            "unigram line has not learned to use context, so no knockout below can show anything.",
+        ]
     if "mdlmpe_minus_rope" in summary:
         diff = summary["mdlmpe_minus_rope"]
         lines += [
@@ -214,9 +303,11 @@ def markdown(summary: dict, settings: LayoutEvalSettings, meta: dict) -> str:
             "",
             "## Layout knockout on the trained MDLMPE models (NLL(knocked) − NLL, nats per token)",
             "",
-            "A and D rebuilt from the visible indicator shuffled within each row (same count) or made "
-            "constant at the row's visible fraction; token ids unchanged. Positive: the model uses "
-            "where the visible tokens are."
+            "shuffle / constant: A and D rebuilt from the visible indicator shuffled within each row "
+            "(same count) or made constant at the row's visible fraction; token ids unchanged. "
+            "Positive: the model uses where the visible tokens are. off: gamma and delta set to 0 "
+            "(the RoPE backbone of the trained weights). context: the visible tokens shuffled among "
+            "the visible positions (the layout kept): what the model gets from its context at all."
             + (
                 f" Control: the shuffle knockout of the RoPE models changes their NLL by at most "
                 f"{summary['rope_knockout_max_abs_delta']:.1e} nats (no features to knock out)."
@@ -233,6 +324,9 @@ def markdown(summary: dict, settings: LayoutEvalSettings, meta: dict) -> str:
                 + " | ".join(_pm(summary["knockout"][m][layout]) for m in summary["knockout"])
                 + " |"
             )
+    if summary.get("rope_context"):
+        lines += ["", "Context knockout on the RoPE models (NLL(knocked) − NLL):", ""]
+        lines += [f"- {layout}: {_pm(summary['rope_context'][layout])}" for layout in layouts]
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mdlmpe_ds.attention import AttentionImpl
-from mdlmpe_ds.evaluation.knockout import layout_knockout
+from mdlmpe_ds.evaluation.knockout import layout_knockout, mdlmpe_off
 from mdlmpe_ds.experiments.runlength_data import SEP, Geometry
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.seeding import init_stream
@@ -91,29 +91,6 @@ def build_arm(
         model.embed.register_forward_hook(oracle.hook)
         model.add_module("gap_oracle", oracle)  # its table trains with the model
     return model, oracle
-
-
-@contextmanager
-def mdlmpe_off(model: DiffusionLM) -> Iterator[None]:
-    """gamma -> 0 and delta -> 0 on the trained weights inside; restored on exit."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with torch.no_grad():
-        encoder = model.embed.mdlmpe
-        if encoder is not None and encoder.gate_logit is not None:
-            saved.append((encoder.gate_logit, encoder.gate_logit.clone()))
-            encoder.gate_logit.fill_(float("-inf"))  # gamma = gamma_max * sigmoid(-inf) = 0
-        for layer in model.layers:
-            phase = layer.attn.phase
-            if phase is not None:
-                for p in (phase.fc2.weight, phase.fc2.bias):
-                    saved.append((p, p.clone()))
-                    p.zero_()  # delta = tau_max * tanh(0) = 0
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, value in saved:
-                p.copy_(value)
 
 
 @contextmanager

@@ -32,7 +32,9 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
     ]  # fmt: skip
     # Interrupted: the first run stops after update 1 (a checkpoint, no summary), the study fails
     # naming what to do; the same command then resumes that run and trains the other.
-    stopped = subprocess.run([*args, "--stop_at", "1"], env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    stopped = subprocess.run(
+        [*args, "--stop_at", "1"], env=env(), capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert stopped.returncode != 0 and "run the same command again" in stopped.stderr
     rope_run = out / "runs" / "rope-seed0"
     assert (rope_run / "checkpoints" / "step_000001").is_dir() and not (rope_run / "summary.json").exists()
@@ -53,11 +55,17 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
         assert len(counts) == 1 and counts.pop() > 0
     paired = summary["mdlmpe_minus_rope"]["iid"]
     assert paired["mean"] != 0.0 and paired["paired_se_of_mean"] > 0
-    for mode in ("shuffle", "constant"):
+    for mode in ("shuffle", "constant", "off", "context"):
         assert set(summary["knockout"][mode]) == set(summary["layouts"])
     assert summary["rope_knockout_max_abs_delta"] == 0.0  # RoPE: nothing to knock out, exactly
+    assert set(summary["rope_context"]) == set(summary["layouts"])
+    # Reference lines on the same windows and masks; the clean-neighbour bigram beats the unigram.
+    for layout in summary["layouts"]:
+        uni, bi = (summary["reference"][name][layout]["nll"] for name in ("unigram", "bigram"))
+        assert 0 < bi < uni, (layout, uni, bi)
     md = (out / "mechanism.md").read_text()
     assert "# Does MDLMPE use the mask layout?" in md and "| semi_ar |" in md
+    assert "| reference: unigram |" in md and "Context knockout on the RoPE models" in md
     assert (out / "mechanism.png").read_bytes()[:4] == b"\x89PNG"
 
     again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=200, cwd=REPO)
