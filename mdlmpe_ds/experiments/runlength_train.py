@@ -39,6 +39,11 @@ class RunSettings:
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup: int = 20
+    # Stability: gradient-norm clipping and a cosine decay to min_lr_ratio * lr after the warm-up
+    # (at a constant 3e-3 without clipping the evaluated CE spiked by up to 100x between evaluations).
+    clip: float = 1.0
+    min_lr_ratio: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
     eval_at: tuple[int, ...] = (0, 50, 100, 150, 200, 250, 300, 350, 400, 500, 600)
     eval_rows: int = 96
     eval_batch: int = 32
@@ -52,6 +57,16 @@ class RunSettings:
         ):
             raise ValueError(f"eval_at {self.eval_at} must be increasing and end at updates={self.updates}")
         return self
+
+
+def lr_factor(update: int, settings: RunSettings) -> float:
+    """Linear warm-up over ``warmup`` updates, then a cosine from 1 to ``min_lr_ratio``."""
+    if update < settings.warmup:
+        return (update + 1) / settings.warmup
+    progress = (update - settings.warmup) / max(settings.updates - settings.warmup, 1)
+    return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (
+        1 + math.cos(math.pi * min(progress, 1.0))
+    )
 
 
 def run_path(out: Path, geometry: str, masking: str, arm: str, seed: int) -> Path:
@@ -87,10 +102,10 @@ def train_run(geometry_name: str, masking: str, arm: str, seed: int, settings: R
     geometry = GEOMETRIES[geometry_name] if isinstance(geometry_name, str) else geometry_name
     start = time.perf_counter()
     model, oracle = build_arm(arm, geometry, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: min(1.0, (u + 1) / max(settings.warmup, 1))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, settings))
     data = torch.Generator().manual_seed(mix_seed(seed, DATA_STREAM))
     evals = eval_batches(geometry, masking, settings.eval_rows, settings.eval_batch, settings.eval_seed)
     knockouts = KNOCKOUTS if model.config.position_encoding == "mdlmpe" else ()
@@ -113,6 +128,7 @@ def train_run(geometry_name: str, masking: str, arm: str, seed: int, settings: R
             break
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
         optimizer.step()
         schedule.step()
     encoder = model.embed.mdlmpe

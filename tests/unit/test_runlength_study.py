@@ -146,3 +146,14 @@ def test_toy_study_runs_reports_and_reuses(tmp_path, capsys):
         assert (tmp_path / name).is_file()
     assert main(["--toy", "--out", str(tmp_path), "--workers", "1"]) == 0
     assert "8 reused, 0 to train" in capsys.readouterr().out
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    from mdlmpe_ds.experiments.runlength_train import RunSettings, lr_factor
+
+    s = RunSettings()
+    assert lr_factor(0, s) == pytest.approx(1 / s.warmup)
+    assert lr_factor(s.warmup, s) == pytest.approx(1.0)
+    assert lr_factor(s.updates, s) == pytest.approx(s.min_lr_ratio)
+    values = [lr_factor(u, s) for u in range(s.warmup, s.updates + 1)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
