@@ -71,7 +71,7 @@ def compile_setting(bm: int, bn: int, stages: int, warps: int) -> tuple[Resource
     """AOT sm_90 compile of the calibration kernel: its resources and main-loop SASS counts."""
     from mdlmpe_ds.attention.triton.aot import compile_function, resource_usage, sass
 
-    options = dict(num_warps=warps, num_stages=stages, maxnreg=255)
+    options = dict(num_warps=warps, num_stages=stages, maxnreg=255, enable_fp_fusion=True)
     compiled = compile_function(_kernel(), dict(DH=HEAD_DIM, BM=bm, BN=bn), torch.bfloat16, 90, options)
     cubin = compiled.asm["cubin"]
     counts = loop_counts(sass(cubin))
