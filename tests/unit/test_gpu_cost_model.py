@@ -200,3 +200,20 @@ def test_recorded_compile_is_todays_kernels():
                 f"{variant}/{kernel}: recorded resources are stale; run "
                 "`python benchmarks/estimate_gpu.py --compile`"
             )
+
+
+def test_gpu_benchmark_prints_the_models_side_and_skips_without_a_gpu(capsys):
+    """bench_attention_gpu.py measures what the model predicts (per kernel, layer, step ratio with
+    recompute) and prints the model beside it; without a GPU --model-only prints the model's side
+    and a plain run stops cleanly (exit 2, nothing measured)."""
+    import bench_attention_gpu as bench
+    import torch
+
+    assert bench.main(["--model-only", "--lengths", "2048"]) == 0
+    text = capsys.readouterr().out
+    for name in ("phase_forward", "forward", "backward", "phase_backward", "step ratio"):
+        assert name in text
+    assert "ESTIMATE" in text
+    assert set(bench.KERNEL_NAMES.values()) <= set(bench.model_estimates(2048, 1)["kernels"])
+    if not torch.cuda.is_available():
+        assert bench.main(["--lengths", "2048"]) == 2
