@@ -97,11 +97,11 @@ ASSUMPTIONS: dict[str, Assumption] = {
             "non_overlap",
             0.1,
             0.26,
-            0.5,
+            0.55,
             "share of the non-binding resources' time added to the binding one, at 1 warp per "
             "scheduler (divided by the resident warps per scheduler)",
-            "central fitted on the calibration kernel at S=2048 (gpu_cost.calibrate: 0.261); "
-            "low / high a modelling choice",
+            "fitted on the calibration kernel at S=2048 (gpu_cost.calibrate): 0.26 at the tutorial's "
+            "BM 128 / BN 64, 0.53 at the model's fastest setting of its autotuning space; low a choice",
             better="low",
         ),
         _a(

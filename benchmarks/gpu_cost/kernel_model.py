@@ -33,6 +33,8 @@ from gpu_cost.assumptions import Scenario
 #: Largest shared memory per SM an H100 gives CTAs (228 KiB), and the 1 KiB the driver reserves per CTA.
 SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_CTA = 1024
+#: Largest shared memory one CTA may request on sm_90 (the opt-in maximum Triton checks at launch).
+SHARED_PER_CTA_LIMIT = 232_448
 MAX_CTAS_PER_SM = 32
 MAX_WARPS_PER_SM = 64
 PIPES = ("issue", "fp32", "alu", "mufu", "tensor", "shared", "l2")
@@ -186,6 +188,11 @@ def round_cycles(cycles: float, res: Resources, ctas: int, sc: Scenario) -> floa
 def launch_time(launch: Launch, sc: Scenario) -> Timing:
     """Estimated ms of a launch (all its runs), the binding term and each term alone."""
     res = launch.resources
+    if res.shared_bytes > SHARED_PER_CTA_LIMIT:
+        raise ValueError(
+            f"{launch.name}: {res.shared_bytes:,} B of shared memory per CTA is over the sm_90 limit "
+            f"{SHARED_PER_CTA_LIMIT:,}: it cannot launch"
+        )
     ctas = ctas_per_sm(res)
     sms = int(sc["sms"])
     total = launch.programs

@@ -217,3 +217,9 @@ def test_gpu_benchmark_prints_the_models_side_and_skips_without_a_gpu(capsys):
     assert set(bench.KERNEL_NAMES.values()) <= set(bench.model_estimates(2048, 1)["kernels"])
     if not torch.cuda.is_available():
         assert bench.main(["--lengths", "2048"]) == 2
+
+
+def test_a_kernel_over_the_shared_memory_limit_cannot_launch():
+    over = dataclasses.replace(ONE_CTA, shared_bytes=kernel_model.SHARED_PER_CTA_LIMIT + 1)
+    with pytest.raises(ValueError, match="cannot launch"):
+        launch_time(_launch(over, fp32=1.0), CENTRAL)
