@@ -19,6 +19,7 @@ checkpointing on) per design and RoPE baseline; the extra attention memory per d
     python benchmarks/estimate_gpu.py --lengths 2048 --designs current pair_bias --json est.json
     python benchmarks/estimate_gpu.py --compile            # recompile today's kernels first (~1 min)
     python benchmarks/estimate_gpu.py --no-calibration     # no compiler needed at all
+    python benchmarks/estimate_gpu.py --pair-resources 8,2,255,400,196608,6   # a pair kernel's compile
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def fmt_range(values: tuple[float, float, float], spec: str = ".2f", unit: str =
     return f"{central:{spec}}{unit} ({low:{spec}}-{high:{spec}})"
 
 
-def design_rows(lengths, names, baselines, attention, rec, overrides=None) -> list[dict]:
+def design_rows(lengths, names, baselines, attention, rec, overrides=None, pair_resources=None) -> list[dict]:
     """Per (design, length): layer ms and step ratio per baseline, each (low, central, high)."""
     rows = []
     for name in names:
@@ -53,7 +54,9 @@ def design_rows(lengths, names, baselines, attention, rec, overrides=None) -> li
         for kind in kinds:
             for length in lengths:
                 per = {
-                    s: designs.layer(name, length, Scenario(s, dict(overrides or {})), rec, kind)
+                    s: designs.layer(
+                        name, length, Scenario(s, dict(overrides or {})), rec, kind, pair_resources
+                    )
                     for s in SCENARIOS
                 }
                 row = dict(
@@ -111,14 +114,14 @@ def print_calibration(space_name: str) -> dict | None:
     return dict(fitted_non_overlap=fitted, rows=rows, worst=worst)
 
 
-def print_resources(rec) -> None:
+def print_resources(rec, pair_resources=None) -> None:
     print("\nKernel resources (today's kernels: AOT sm_90 compiles, recorded; pair kernels: assumed):")
     print(
         f"  {'kernel':<24} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>8} {'shared B':>9} "
         f"{'CTA/SM':>6} {'bar/it':>7}"
     )
     items = [(f"{k} [{v}]", r) for v, ks in rec.items() for k, (r, _) in ks.items()]
-    items.append(("pair kernels (a), (b)", designs.ASSUMED_PAIR_RESOURCES))
+    items.append(("pair kernels (a), (b)", pair_resources or designs.ASSUMED_PAIR_RESOURCES))
     for name, r in items:
         print(
             f"  {name:<24} {r.warps:>5} {r.stages:>6} {r.registers:>5} {r.spill_bytes:>8} "
@@ -126,13 +129,13 @@ def print_resources(rec) -> None:
         )
 
 
-def print_kernels(lengths, names, attention, rec) -> None:
+def print_kernels(lengths, names, attention, rec, pair_resources=None) -> None:
     sc = Scenario("central")
     print(f"\nPer kernel, central scenario, per layer (fwd + bwd), ms [{LABEL}]:")
     for name in names:
         for kind in attention if name.startswith("pair_bias") else ("-",):
             for length in lengths:
-                est = designs.layer(name, length, sc, rec, kind)
+                est = designs.layer(name, length, sc, rec, kind, pair_resources)
                 print(f"  {est.design} L={length}: layer {est.ms:.2f} ms (torch glue {est.glue_ms:.2f})")
                 for t in est.timings:
                     terms = ", ".join(f"{k} {v:.2f}" for k, v in t.terms_ms.items() if v >= 0.005)
@@ -197,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-length", type=int, default=4096)
     p.add_argument("--memory-batch", type=int, default=4)
     p.add_argument("--pair-buffer-gib", type=float, default=6.0, help="per-launch pair-buffer budget")
+    p.add_argument(
+        "--pair-resources",
+        type=designs.parse_resources,
+        default=None,
+        help="warps,stages,registers,spill_bytes,shared_bytes,barriers of the pair kernels of (a), (b) "
+        "(default: the stated assumption 8,2,255,0,163840,2)",
+    )
     p.add_argument("--json", default=None, help="also write every figure here")
     args = p.parse_args(argv)
     if args.compile:
@@ -206,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Every figure below is an {LABEL} from a model; nothing here ran on a GPU.\n")
     print_assumptions()
     calibration = None if args.no_calibration else print_calibration(args.calibration_space)
-    print_resources(rec)
-    print_kernels(args.lengths, args.designs, args.attention, rec)
-    rows = design_rows(args.lengths, args.designs, args.baselines, args.attention, rec)
+    print_resources(rec, args.pair_resources)
+    print_kernels(args.lengths, args.designs, args.attention, rec, args.pair_resources)
+    rows = design_rows(
+        args.lengths, args.designs, args.baselines, args.attention, rec, pair_resources=args.pair_resources
+    )
     print_ratios(rows, args.baselines, args.lengths)
     memory = print_memory(args.memory_length, args.memory_batch, args.pair_buffer_gib)
     if args.json:

@@ -114,6 +114,15 @@ ASSUMPTIONS: dict[str, Assumption] = {
             better="low",
         ),
         _a(
+            "spill_passes",
+            1,
+            2,
+            4,
+            "passes over its spill stack per loop iteration, for a kernel given a stack but no SASS",
+            "AOT sm_90 SASS: today's forward ~2.9, backward ~11 passes per (larger) iteration",
+            better="low",
+        ),
+        _a(
             "atomic_serial",
             0.0,
             0.05,

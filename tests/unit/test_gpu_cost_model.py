@@ -237,3 +237,16 @@ def test_a_kernel_over_the_shared_memory_limit_cannot_launch():
     over = dataclasses.replace(ONE_CTA, shared_bytes=kernel_model.SHARED_PER_CTA_LIMIT + 1)
     with pytest.raises(ValueError, match="cannot launch"):
         launch_time(_launch(over, fp32=1.0), CENTRAL)
+
+
+def test_a_pair_kernels_compiled_resources_replace_the_assumed_ones(rec):
+    """Design (a)'s estimate takes the resources of whatever pair kernel exists: a spill stack
+    beyond L1 or more barriers make it slower; a malformed resource string is refused."""
+    assumed = designs.layer("pair_bias", 2048, CENTRAL, rec).ms
+    given = designs.parse_resources("8,2,255,400,196608,2")
+    assert given.spill_bytes == 400 and given.source.startswith("given")
+    assert designs.layer("pair_bias", 2048, CENTRAL, rec, pair_resources=given).ms > 1.1 * assumed
+    barriers = dataclasses.replace(designs.ASSUMED_PAIR_RESOURCES, barriers=40)
+    assert designs.layer("pair_bias", 2048, CENTRAL, rec, pair_resources=barriers).ms > assumed
+    with pytest.raises(ValueError, match="warps,stages"):
+        designs.parse_resources("8,2,255")
