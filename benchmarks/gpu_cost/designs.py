@@ -177,6 +177,7 @@ def _pair_launch(kernel: str, design: str, length: int, sc: Scenario, rec: dict,
         fp32=fp32,
         tensor_macs=macs,
         shared_bytes=PAIR_SHARED[design] * elems,
+        spill_access_bytes=sc["spill_passes"] * res.spill_bytes * res.warps * 32,
         l2_bytes=PAIR_LOOP * m * 2 * 2 + tile_elems * 2,  # the looped pair components + E or dE (bf16)
     )
     # alpha, beta once per tile for all heads; pass Q also runs the phase MLP's backward there.
@@ -235,7 +236,12 @@ def bias_attention(length: int, sc: Scenario, kind: str) -> list[Timing]:
 
 
 def pair_bias_layer(
-    length: int, sc: Scenario, rec: dict, design: str = "pair_bias", attention: str = "triton", resources=None
+    length: int,
+    sc: Scenario,
+    rec: dict,
+    design: str = "pair_bias",
+    attention: str = "triton",
+    resources: Resources | None = None,
 ) -> LayerEstimate:
     """Design (a) or (b) with the bias attention ``attention`` ("triton" or "sdpa")."""
     res = resources or ASSUMED_PAIR_RESOURCES
@@ -246,14 +252,30 @@ def pair_bias_layer(
     return LayerEstimate(f"{design} ({attention})", length, timings, glue, [res.source])
 
 
-def layer(design: str, length: int, sc: Scenario, rec: dict, attention: str = "triton") -> LayerEstimate:
+def layer(
+    design: str, length: int, sc: Scenario, rec: dict, attention: str = "triton", pair_resources=None
+) -> LayerEstimate:
+    """One design's layer estimate; ``pair_resources`` replaces the assumed resources of the
+    pair kernels of (a) and (b) (e.g. from a compile of a kernel being built)."""
     if design == "current":
         return current_layer(length, sc, rec, "default")
     if design == "no_rewrite":
         return current_layer(length, sc, rec, "w8s2")
     if design in ("pair_bias", "pair_bias_tc"):
-        return pair_bias_layer(length, sc, rec, design, attention)
+        return pair_bias_layer(length, sc, rec, design, attention, pair_resources)
     raise ValueError(f"design {design!r}: expected one of {DESIGNS}")
+
+
+def parse_resources(text: str) -> Resources:
+    """``warps,stages,registers,spill_bytes,shared_bytes,barriers`` (e.g. a pair kernel's compile:
+    ``python benchmarks/bench_attention_gpu.py --compile-only`` prints them) -> Resources."""
+    parts = text.split(",")
+    if len(parts) != 6:
+        raise ValueError(
+            f"pair resources {text!r}: expected warps,stages,registers,spill_bytes,shared_bytes,barriers"
+        )
+    warps, stages, registers, spill, shared = (int(p) for p in parts[:5])
+    return Resources(warps, stages, registers, spill, shared, float(parts[5]), source=f"given: {text}")
 
 
 def extra_memory_gib(design: str, length: int, batch: int, budget_gib: float | None = None) -> float:
