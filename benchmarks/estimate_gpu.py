@@ -77,6 +77,8 @@ def print_assumptions() -> None:
     print(f"Assumptions (low / central / high; the low scenario takes each one's optimistic end) [{LABEL}]:")
     for a in ASSUMPTIONS.values():
         print(f"  - {a.line()}")
+    per_sm = " / ".join(f"{Scenario(s).l2_bytes_per_clk_sm():.0f}" for s in ("high", "central", "low"))
+    print(f"  - derived: L2 -> SM per SM per clock (low / central / high): {per_sm} B/clk/SM")
     print(
         "  - LLaDA-8B: 32 layers, hidden 4096, 32 heads = KV heads, d_h 128, FFN 12288, vocab 126464; "
         "all 32 heads with MDLMPE (|M| = 32 pairs); bf16; micro-batch 1; gradient checkpointing on: "
