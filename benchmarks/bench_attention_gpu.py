@@ -21,7 +21,12 @@ Without a GPU, ``--compile-only`` compiles the four kernels ahead of time for ``
 H100, by default) with exactly those settings (``triton.aot.compile_kernel``, as the launcher
 would) and prints shared memory against the target's limit, registers and spill stack per thread
 (cuobjdump), e.g. ``--compile-only --arch 80 --dtype float32`` or ``--compile-only --tile 32``.
-Targets: whole-step <= 2.3x at L = 2048. Extra memory: the kernels' transient pair buffers
+Beside every measurement it prints the cost model's ESTIMATE of the same quantity
+(``benchmarks/gpu_cost``, today's kernels, central and low-high range): each Triton kernel's time
+(measured with the torch profiler), and the step ratio with the run's recompute (gradient
+checkpointing: the layer's matmuls and the RoPE attention forward run twice, the MDLMPE attention
+once) against the SDPA flash baseline this benchmark runs. ``--model-only`` prints the model's side
+without a GPU. Targets: whole-step <= 2.0x at L = 2048. Extra memory: the kernels' transient pair buffers
 (alpha, beta, dE/d delta: |M| L^2 fp32 each per sequence, at most AttentionImpl.pair_buffer_gib
 per launch) besides O(L) per head.
 """
@@ -34,12 +39,15 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mdlmpe_ds.attention.common import rope_attention
 from mdlmpe_ds.pe.phase import PhaseMLP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # LLaDA-8B (docs/models.md §1.1).
 LLADA = dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=12288, vocab=126464)
@@ -70,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", type=str, default=None, help="also write the results here")
+    p.add_argument("--model-only", action="store_true", help="print the cost model's estimates, no GPU")
     return p.parse_args(argv)
 
 
@@ -188,6 +197,105 @@ def linear_parts(args: argparse.Namespace, length: int) -> dict[str, Callable[[]
     return {"linear_layer": layer, "lm_head": head}
 
 
+def forward_only(args: argparse.Namespace, length: int) -> dict[str, Callable[[], None]]:
+    """Forward-only closures of what gradient checkpointing runs a second time in backward: the
+    layer's matmuls and the RoPE attention (the MDLMPE attention stays outside the checkpoint)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    d, ffn, tokens = LLADA["hidden"], LLADA["ffn"], args.batch * length
+    x = torch.randn(tokens, d, device=dev).to(bf16)
+    w_qkv, w_o = torch.randn(d, 3 * d, device=dev).to(bf16), torch.randn(d, d, device=dev).to(bf16)
+    w_gate, w_up = torch.randn(d, ffn, device=dev).to(bf16), torch.randn(d, ffn, device=dev).to(bf16)
+    w_down = torch.randn(ffn, d, device=dev).to(bf16)
+    shape = (args.batch, args.heads, length, args.head_dim)
+    q, k, v = (torch.randn(shape, device=dev).to(bf16) for _ in range(3))
+
+    @torch.no_grad()
+    def layer() -> None:
+        h = (x @ w_qkv)[:, :d] @ w_o
+        F.silu(h @ w_gate) * (h @ w_up) @ w_down
+
+    @torch.no_grad()
+    def flash() -> None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rope_attention(q, k, v)
+
+    return {"linear_layer_fwd": layer, "rope_flash_fwd": flash}
+
+
+#: Profiler names of the fused Triton kernels -> the cost model's kernel names.
+KERNEL_NAMES = {
+    "phase_fwd_kernel": "phase_forward",
+    "mdlmpe_fwd_kernel": "forward",
+    "mdlmpe_bwd_kernel": "backward",
+    "phase_bwd_kernel": "phase_backward",
+}
+
+
+def kernel_times(step: Callable[[], None], iters: int) -> dict[str, float]:
+    """Measured ms per fwd + bwd of each fused Triton kernel (all its launches), by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        for raw, name in KERNEL_NAMES.items():
+            if raw in event.key:
+                us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+                out[name] = out.get(name, 0.0) + us / 1e3 / iters
+    return out
+
+
+def model_estimates(length: int, batch: int) -> dict[str, object]:
+    """The cost model's ESTIMATE (low, central, high) of what this benchmark measures for today's
+    kernels at the launcher's settings: ms per kernel and per MDLMPE layer (batch 1, times
+    ``batch``), and the step ratio against the SDPA flash baseline with the run's recompute."""
+    from gpu_cost import designs, recorded, step
+    from gpu_cost.assumptions import SCENARIOS, Scenario
+
+    rec = recorded.load()
+    per = {s: designs.layer("current", length, Scenario(s), rec) for s in SCENARIOS}
+    kernels = {
+        t.name: tuple(batch * {x.name: x.ms for x in per[s].timings}[t.name] for s in SCENARIOS)
+        for t in per["central"].timings
+    }
+    layer = {s: per[s].ms for s in SCENARIOS}
+    rope = tuple(
+        batch * step.rope_layer_ms("sdpa_flash", length, Scenario(s), recompute=False)["layer_ms"]
+        for s in SCENARIOS
+    )
+    return dict(
+        kernels=kernels,
+        mdlmpe_layer_ms=tuple(batch * layer[s] for s in SCENARIOS),
+        rope_flash_ms=rope,
+        step_ratio=step.ratio_range(layer, "sdpa_flash", length),
+    )
+
+
+def _range(values) -> str:
+    low, central, high = values
+    return f"{central:.2f} ({low:.2f}-{high:.2f})"
+
+
+def print_model(length: int, batch: int) -> dict[str, object]:
+    est = model_estimates(length, batch)
+    print(f"cost model ESTIMATE, L = {length}, batch {batch} (central, low-high):")
+    for name, ms in est["kernels"].items():
+        print(f"  {name:<16} {_range(ms)} ms")
+    print(
+        f"  mdlmpe layer     {_range(est['mdlmpe_layer_ms'])} ms; "
+        f"rope_flash {_range(est['rope_flash_ms'])} ms"
+    )
+    print(f"  step ratio vs SDPA flash RoPE, with recompute: {_range(est['step_ratio'])}")
+    return est
+
+
 def launch_overrides(args: argparse.Namespace) -> dict[str, int]:
     """The Triton launch settings given on the command line (the rest are the backend's)."""
     given = dict(
@@ -225,6 +333,12 @@ def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_only:
+        results = {str(n): print_model(n, args.batch) for n in args.lengths}
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2)
+        return 0
     if args.compile_only:
         rows = compile_report(args)
         if args.json:
@@ -242,10 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device}; B={args.batch} Hq={args.heads} Hkv={args.kv_heads} d_h={args.head_dim}")
     for length in args.lengths:
         row: dict[str, dict[str, float]] = {}
-        for name, step in {**attention_methods(args, length), **linear_parts(args, length)}.items():
+        methods = attention_methods(args, length)
+        for name, step in {**methods, **linear_parts(args, length), **forward_only(args, length)}.items():
             ms, peak = time_fwd_bwd(step, args.warmup, args.iters)
             row[name] = {"ms": ms, "peak_extra_mib": peak / 2**20}
             torch.cuda.empty_cache()
+        measured_kernels = kernel_times(methods["mdlmpe_triton"], args.iters)
         base = row["rope_flash"]["ms"]
         print(f"\nL = {length}")
         print(f"{'method':<16}{'fwd+bwd ms':>12}{'x flash':>10}{'peak MiB':>12}")
@@ -258,6 +374,28 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = (n * (lin + row[name]["ms"]) + head) / rope_step
                 row[name]["step_ratio_estimate"] = ratio
                 print(f"estimated whole LLaDA-8B step, {name}: {ratio:.2f}x the RoPE step")
+        # Side by side with the cost model: the same quantities, the step with the run's recompute
+        # (the layer's matmuls and the RoPE attention forward twice, the MDLMPE attention once).
+        lin_fwd, rope_fwd = row["linear_layer_fwd"]["ms"], row["rope_flash_fwd"]["ms"]
+        rope_step_rc = n * (lin + lin_fwd + base + rope_fwd) + head
+        measured_ratio = (n * (lin + lin_fwd + row["mdlmpe_triton"]["ms"]) + head) / rope_step_rc
+        est = model_estimates(length, args.batch)
+        print(f"measured vs cost model ESTIMATE (central, low-high), L = {length}:")
+        if launch_overrides(args) or (args.heads, args.kv_heads, args.head_dim) != (32, 32, 128):
+            print("  (the model is for the launcher's settings at LLaDA-8B shapes; this run differs)")
+        for name, ms in est["kernels"].items():
+            got = measured_kernels.get(name)
+            shown = f"{got:8.2f}" if got is not None else "     n/a"
+            print(f"  {name:<16} measured {shown} ms   model {_range(ms)} ms")
+        print(
+            f"  {'mdlmpe layer':<16} measured {row['mdlmpe_triton']['ms']:8.2f} ms   "
+            f"model {_range(est['mdlmpe_layer_ms'])} ms"
+        )
+        print(f"  {'rope_flash':<16} measured {base:8.2f} ms   model {_range(est['rope_flash_ms'])} ms")
+        print(f"  step ratio (recompute) measured {measured_ratio:.2f}   model {_range(est['step_ratio'])}")
+        row["model"] = est
+        row["measured_kernels_ms"] = measured_kernels
+        row["step_ratio_recompute"] = measured_ratio
         results["lengths"][str(length)] = row
     if args.json:
         with open(args.json, "w") as fh:

@@ -4,7 +4,8 @@
         the smoke run's measured peak is compared with;
   --- no CUDA device: print "no GPU: stopping" and exit 0 (nothing above needed one) ---
   [2/4] tests/gpu (the compiled Triton kernel against the reference, bf16, L = 4096);
-  [3/4] benchmarks/bench_attention_gpu.py (Triton vs blocked vs flash RoPE, one LLaDA-8B layer);
+  [3/4] benchmarks/bench_attention_gpu.py (Triton vs blocked vs flash RoPE, one LLaDA-8B layer;
+        each Triton kernel's time, the layer and the step ratio beside the cost model's estimate);
   [4/4] a 3-update ZeRO-3 SFT smoke run on 1 GPU: LLaDA-8B widths cut to 2 layers
         (preset llada-8b-2layers), random init, bf16, MDLMPE with the Triton backend, LLaDA's
         126,464-token vocabulary, every batch padded to L; then tokens/s and the peak GPU memory
