@@ -32,8 +32,9 @@ PRETRAIN_MODULE = "mdlmpe_ds.runs.pretrain"
 SUMMARY = "summary.json"
 EVAL = "eval.json"
 
-# Encoding name -> pretraining overrides. The mdlmpe-* rows are paper Table 4's ablation
-# ladder: availability bit only, + Gaussian window, + sine basis, + embedding path (= mdlmpe).
+# Encoding name -> pretraining overrides. The mdlmpe-{binary,gaussian,basis} rows are paper Table 4's
+# ablation ladder: availability bit only, + Gaussian window, + sine basis, + embedding path (= mdlmpe);
+# mdlmpe-shared is the method with one phase MLP for all layers (docs/method.md).
 ENCODINGS: dict[str, dict[str, Any]] = {
     "rope": {"position_encoding": "rope"},
     "alibi": {"position_encoding": "alibi"},
@@ -51,6 +52,8 @@ ENCODINGS: dict[str, dict[str, Any]] = {
         "position_encoding": "mdlmpe",
         "mdlmpe": {"use_gaussian": True, "coordinate": "sine", "use_embedding": False},
     },
+    # The full method with one phase MLP for the whole model instead of one per layer.
+    "mdlmpe-shared": {"position_encoding": "mdlmpe", "mdlmpe": {"phase_mlp": "shared"}},
 }
 MAIN_ENCODINGS = ("rope", "alibi", "absolute", "mdlmpe")
 

@@ -210,8 +210,6 @@ def build_model(
         with torch.device("meta"):
             return model_factory()
     deepspeed = _deepspeed()
-    from mdlmpe_ds.pe.encoder import MDLMPEEncoder
-    from mdlmpe_ds.pe.phase import PhaseMLP
 
     # pe/ modules initialise each parameter in the constructor of the layer that owns it, so the
     # values survive zero.Init partitioning each module as soon as its own __init__ returns.
@@ -224,15 +222,13 @@ def build_model(
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = model_factory()
     check_param_dtypes(model, param_dtype(ds_config))
-    # The MDLMPE phase MLP and embedding projection are read as raw tensors by their parent's forward
+    # The MDLMPE phase MLP and embedding projection are read as raw tensors by another module's forward
     # (the attention kernels, the embedding path), not through their own forward, so ZeRO-3's module
-    # hooks would never gather them: register them as external parameters of the module whose forward
-    # reads them (gathered for its forward and its backward).
-    for parent in getattr(model, "zero3_leaf_modules", list)():
-        for child in parent.modules():
-            if isinstance(child, (MDLMPEEncoder, PhaseMLP)):
-                for param in child.parameters():
-                    deepspeed.zero.register_external_parameter(parent, param)
+    # hooks would never gather them: register them as external parameters of each module whose forward
+    # reads them (gathered for its forward and its backward). The model lists the pairs: a shared
+    # phase MLP is not a child of the layers that read it, and is registered with every one of them.
+    for reader, param in getattr(model, "zero3_external_parameters", list)():
+        deepspeed.zero.register_external_parameter(reader, param)
     return model
 
 

@@ -411,14 +411,17 @@ def measure_layer(
     after forward (``kept``, the layer output standing in for the input it holds) and the peak of
     live tensors during its backward above what was kept (``backward``: the recomputed layer and
     the gradients)."""
-    from mdlmpe_ds.models.transformer import Block, LayerContext
+    from mdlmpe_ds.models.transformer import Block, LayerContext, build_shared_phase
     from mdlmpe_ds.pe.encoder import MDLMPEEncoder
     from mdlmpe_ds.pe.rope import rotary_angles
 
     torch.manual_seed(seed)
     impl = impl or AttentionImpl()
     recompute = recompute or Recompute()
-    block = Block(cfg, impl=impl).train()
+    block = Block(cfg, impl=impl, shared_phase=build_shared_phase(cfg)).train()
+    # The layer's weights: its own, and the model's phase MLP when phase_mlp="shared".
+    shared_mlp = block.attn.phase_mlp if block.attn.phase is None else None
+    weights = [*block.parameters(), *(shared_mlp.parameters() if shared_mlp is not None else [])]
     ctx = LayerContext()
     ids = torch.randint(0, cfg.vocab_size, (batch, length))
     ids[:, ::3] = cfg.mask_token_id
@@ -428,16 +431,16 @@ def measure_layer(
         encoder = MDLMPEEncoder(cfg.mdlmpe, cfg.head_dim, cfg.hidden_size, cfg.rope_theta, cfg.mask_token_id)
         with torch.no_grad():
             ctx.features = encoder.features(ids)
-        for p in block.attn.phase.parameters():  # a non-zero residual, as after training starts
+        for p in block.attn.phase_mlp.parameters():  # a non-zero residual, as after training starts
             torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(batch, length, cfg.hidden_size, requires_grad=True)
     grad = torch.randn(batch, length, cfg.hidden_size)
-    numels = {p.numel() for p in block.parameters() if p.dim() == 2}
-    shared = [x, grad, *block.parameters(), *(t for t in (ctx.cos, ctx.sin) if t is not None)]
+    numels = {p.numel() for p in weights if p.dim() == 2}
+    shared = [x, grad, *weights, *(t for t in (ctx.cos, ctx.sin) if t is not None)]
     if ctx.features is not None:  # computed once per forward for every layer: not this layer's
         shared += [t for t in ctx.features if isinstance(t, torch.Tensor)]
     tracker = LiveTensorBytes(shared, numels)
-    for p in block.parameters():  # drop each weight gradient once formed (ZeRO-3 reduces it away)
+    for p in weights:  # drop each weight gradient once formed (ZeRO-3 reduces it away)
         p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
     with tracker:
         if recompute.layers:

@@ -57,6 +57,7 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
     "model.mdlmpe.use_gaussian": (CHECKED, _MODEL),
     "model.mdlmpe.coordinate": (CHECKED, _MODEL),
     "model.mdlmpe.use_embedding": (CHECKED, _MODEL),
+    "model.mdlmpe.phase_mlp": (CHECKED, _MODEL),
     "model.gradient_checkpointing": (RUNTIME, "backward recomputes the same forward: same numbers"),
     "model.recompute_mdlmpe_attention": (RUNTIME, "backward recomputes the same forward: same numbers"),
     "model.lora": (REFUSED, "a LoRA and a full fine-tune checkpoint hold different parameters"),

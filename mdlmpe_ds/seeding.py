@@ -56,9 +56,16 @@ def corruption_draws(
 
 
 #: Initial-weight streams of the modules one position encoding has and another has not (the
-#: MDLMPE encoder's W_p, each layer's phase MLP, the absolute position table): their own streams, so
-#: the backbone's draws are the same for every encoding of one seed.
-INIT_STREAMS = {"mdlmpe_encoder": 1, "phase_mlp": 2, "absolute_positions": 3, "gap_oracle": 10}
+#: MDLMPE encoder's W_p, each layer's phase MLP, the absolute position table, the one phase MLP of
+#: phase_mlp="shared", the run-length study's gap oracle): their own streams, so the backbone's
+#: draws are the same for every encoding of one seed.
+INIT_STREAMS = {
+    "mdlmpe_encoder": 1,
+    "phase_mlp": 2,
+    "absolute_positions": 3,
+    "shared_phase_mlp": 4,
+    "gap_oracle": 10,
+}
 
 
 @contextlib.contextmanager

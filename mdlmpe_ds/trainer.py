@@ -84,7 +84,8 @@ def peak_memory_gb() -> float:
 
 
 def mdlmpe_stats(module: torch.nn.Module) -> dict[str, float]:
-    """gamma of the embedding path and |delta| statistics of every layer's phase MLP.
+    """gamma of the embedding path and |delta| statistics of every phase MLP (one per layer, logged
+    as ``layer{i}``, or the one shared by all layers, logged as ``shared``).
 
     |delta| is evaluated on a fixed sample of pair features s ~ U(-pi/2, pi/2)^F (the range of s,
     Eq. (37)), i.e. the size of the learned residual over its input domain, not on a
@@ -95,7 +96,8 @@ def mdlmpe_stats(module: torch.nn.Module) -> dict[str, float]:
     from mdlmpe_ds.pe.phase import PhaseMLP, phase_residual
 
     encoders = [m for m in module.modules() if isinstance(m, MDLMPEEncoder)]
-    phases = [m for m in module.modules() if isinstance(m, PhaseMLP)]
+    named_phases = [(n, m) for n, m in module.named_modules() if isinstance(m, PhaseMLP)]
+    phases = [m for _, m in named_phases]
     params = [p for m in encoders + phases for p in m.parameters()]
     if not params:
         return {}
@@ -106,12 +108,13 @@ def mdlmpe_stats(module: torch.nn.Module) -> dict[str, float]:
                 out[f"mdlmpe/gamma/embedding{i if len(encoders) > 1 else ''}"] = float(enc.gamma)
         tau_max = encoders[0].config.tau_max if encoders else 0.25
         means, maxes = [], []
-        for layer, phase in enumerate(phases):
+        for layer, (name, phase) in enumerate(named_phases):
             gen = torch.Generator().manual_seed(0)
             s = (torch.rand(256, phase.num_pairs, generator=gen) - 0.5) * math.pi  # [256, F]
             params_cpu = type(phase.params())(*(t.detach().float().cpu() for t in phase.params()))
             delta = phase_residual(s, params_cpu, tau_max).abs()  # [256, |M|]
-            out[f"mdlmpe/delta_abs_mean/layer{layer}"] = float(delta.mean())
+            label = "shared" if name.split(".")[-1] == "shared_phase" else f"layer{layer}"
+            out[f"mdlmpe/delta_abs_mean/{label}"] = float(delta.mean())
             means.append(float(delta.mean()))
             maxes.append(float(delta.max()))
         if phases:

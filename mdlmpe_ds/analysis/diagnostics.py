@@ -2,7 +2,8 @@
 for one input and mask state, and how delta moves across the steps of one generation.
 
 What "gamma per layer" means here: the model has ONE embedding gate gamma = gamma_max sigmoid(g)
-(Eq. (11), in the shared encoder), and one phase MLP per attention layer (Eq. (25)). So the per-layer numbers
+(Eq. (11), in the shared encoder), and one phase MLP per attention layer (Eq. (25); with
+``phase_mlp="shared"`` one for all layers, whose rows then repeat). So the per-layer numbers
 are the phase-MLP statistics (mean / max |delta| over all (i, j, f in F_MDLMPE), and ||W2||_F), reported next
 to the single gamma and the relative size of the embedding perturbation ||gamma z_i|| / ||e_i||.
 
@@ -94,7 +95,7 @@ def gate_summary(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, A
 def phase_weight_norms(model: torch.nn.Module) -> list[float]:
     """||W2||_F of every layer's phase MLP (0 at initialisation: delta = 0, plain RoPE)."""
     _require_mdlmpe(model)
-    return [layer.attn.phase.fc2.weight.float().norm().item() for layer in model.layers]
+    return [phase.fc2.weight.float().norm().item() for phase in model.phase_mlps()]
 
 
 def state_diagnostics(
@@ -116,9 +117,13 @@ def state_diagnostics(
     with torch.no_grad():
         features = encoder.features(input_ids)
         A, D = features.A[0], features.D[0]  # [L, F]
+        delta, used = None, None
         for index, layer in enumerate(model.layers):
-            params = layer.attn.phase.params()
-            delta = pair_phase(A, D, A, D, params, config.tau_max, config.clip_kappa)  # [L, L, |M|]
+            if layer.attn.phase_mlp is not used:  # a shared MLP gives every layer the same delta
+                used = layer.attn.phase_mlp
+                delta = pair_phase(
+                    A, D, A, D, used.params(), config.tau_max, config.clip_kappa
+                )  # [L, L, |M|]
             mean_abs.append(delta.abs().mean())
             max_abs.append(delta.abs().max())
             if index in layers:

@@ -9,7 +9,8 @@ runs a fine-tuned model without mdlmpe_ds installed. It is self-contained on pur
 only torch and transformers (``trust_remote_code`` copies this one file), and it re-implements the
 forward of ``mdlmpe_ds.models.DiffusionLM`` for inference: the same numbers within fp32 noise
 (tested in ``tests/unit/test_hub_export.py``), including the MDLMPE availability features
-(b, a, A, D), the gated embedding path and the per-pair phase of the attention.
+(b, a, A, D), the gated embedding path and the per-pair phase of the attention (one phase MLP per
+block, or one for the model when the ``mdlmpe_ds.mdlmpe.phase_mlp`` setting is ``"shared"``).
 
 The checkpoint keys are the upstream ones (LLaDA's ``model.transformer.blocks.N.attn_out``,
 Dream's ``model.layers.N.self_attn.o_proj``) plus the MDLMPE keys, and ``config.json`` keeps the
@@ -170,8 +171,17 @@ class _MDLMPEMaths:
         self.use_gaussian = bool(values.get("use_gaussian", True))
         self.coordinate = values.get("coordinate", "sine")
         self.use_embedding = bool(values.get("use_embedding", True))
+        # "per_layer": one phase MLP per block; "shared": one for the model (absent: per_layer).
+        self.phase_mlp = values.get("phase_mlp", "per_layer")
+        if self.phase_mlp not in ("per_layer", "shared"):
+            raise ValueError(
+                f"config.json: mdlmpe_ds.mdlmpe.phase_mlp={self.phase_mlp!r} must be 'per_layer' or 'shared'"
+            )
         self.max_seq_len = max_seq_len  # L_ref fixes the window, never the batch length
         self.query_block = int(values.get("block_size", 128))
+
+    def hidden_width(self, num_pairs: int) -> int:
+        return self.phase_hidden if self.phase_hidden is not None else max(16, num_pairs // 2)
 
     @property
     def window(self) -> int:
@@ -358,6 +368,7 @@ _TOP_PATHS = {
         "tokens": "model.transformer.wte",
         "positions": "model.transformer.wpe",
         "mdlmpe": "model.transformer.mdlmpe",
+        "phase": "model.transformer.mdlmpe_phase",
         "blocks": "model.transformer.blocks",
         "norm": "model.transformer.ln_f",
         "head": "model.transformer.ff_out",
@@ -366,6 +377,7 @@ _TOP_PATHS = {
         "tokens": "model.embed_tokens",
         "positions": "model.embed_positions",
         "mdlmpe": "model.mdlmpe",
+        "phase": "model.mdlmpe_phase",
         "blocks": "model.layers",
         "norm": "model.norm",
         "head": "lm_head",
@@ -404,10 +416,8 @@ class Block(nn.Module):
             "up": nn.Linear(d, s["intermediate_size"], bias=False),
             "down": nn.Linear(s["intermediate_size"], d, bias=False),
         }
-        if self.encoding == "mdlmpe":
-            num_pairs = hd // 2
-            hidden = maths.phase_hidden if maths.phase_hidden is not None else max(16, num_pairs // 2)
-            parts["phase"] = PhaseMLP(num_pairs, hidden)
+        if self.encoding == "mdlmpe" and maths.phase_mlp == "per_layer":  # shared: the model's
+            parts["phase"] = PhaseMLP(hd // 2, maths.hidden_width(hd // 2))
         for role, module in parts.items():
             _place(self, self.paths[role], module)
 
@@ -427,9 +437,8 @@ class Block(nn.Module):
                 _apply_rotary(k, ctx["cos"], ctx["sin"], fp32),
             )
         if self.encoding == "mdlmpe":
-            out = _mdlmpe_attention(
-                q, k, v, ctx["A"], ctx["D"], self.part("phase"), self.maths, ctx["key_valid"]
-            )
+            phase = ctx["phase"] if self.maths.phase_mlp == "shared" else self.part("phase")
+            out = _mdlmpe_attention(q, k, v, ctx["A"], ctx["D"], phase, self.maths, ctx["key_valid"])
         else:
             if self.encoding == "alibi":
                 mask = ctx["alibi"].to(q.dtype)
@@ -488,6 +497,9 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
         if s["position_encoding"] == "mdlmpe":
             encoder = MDLMPEEmbedding(self.maths, s["head_dim"], d, s["rope_theta"], s["mask_token_id"])
             _place(self, paths["mdlmpe"], encoder)
+            if self.maths.phase_mlp == "shared":  # one phase MLP read by every block
+                num_pairs = s["head_dim"] // 2
+                _place(self, paths["phase"], PhaseMLP(num_pairs, self.maths.hidden_width(num_pairs)))
         _place(self, paths["blocks"], nn.ModuleList(Block(s, self.maths) for _ in range(s["num_layers"])))
         _place(self, paths["norm"], RMSNorm(d, s["rms_norm_eps"]))
         if not s["tie_embeddings"]:  # tied: the head reads the token table (no separate key)
@@ -526,6 +538,8 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
             encoder = self.get_submodule(self.paths["mdlmpe"])
             ctx["A"], ctx["D"] = encoder.features(input_ids, valid, positions)
             x = encoder.embed(x, ctx["A"])
+            if self.maths.phase_mlp == "shared":
+                ctx["phase"] = self.get_submodule(self.paths["phase"])
         if s["position_encoding"] in ("rope", "mdlmpe"):
             count = length if positions is None else int(positions.max()) + 1
             t = torch.arange(count, dtype=torch.float32, device=input_ids.device)

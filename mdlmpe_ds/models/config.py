@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, drop_moved_keys
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, read_stored
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def drop_stored_runtime_keys(data: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in data.items() if k not in RUNTIME_KEYS}
     dropped = sorted(set(data) - set(out))
     if isinstance(out.get("mdlmpe"), dict):
-        out["mdlmpe"] = drop_moved_keys(out["mdlmpe"])
+        out["mdlmpe"] = read_stored(out["mdlmpe"])
         dropped += [f"mdlmpe.{k}" for k in sorted(set(data["mdlmpe"]) - set(out["mdlmpe"]))]
     if dropped:
         log.debug(f"stored model config: dropped the run-time keys {dropped}")

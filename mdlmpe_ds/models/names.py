@@ -7,6 +7,7 @@ project name                      LLaDA (model.transformer. ...)     Dream
 embed.tokens.weight               wte.weight                         model.embed_tokens.weight
 embed.positions.weight (abs.)     wpe.weight                         model.embed_positions.weight
 embed.mdlmpe.*                    mdlmpe.*                           model.mdlmpe.*
+shared_phase.* (phase_mlp shared) mdlmpe_phase.*                     model.mdlmpe_phase.*
 layers.N.attn_norm.weight         blocks.N.attn_norm.weight          model.layers.N.input_layernorm.weight
 layers.N.attn.{q,k,v}_proj.*      blocks.N.{q,k,v}_proj.*            model.layers.N.self_attn.{q,k,v}_proj.*
 layers.N.attn.o_proj.weight       blocks.N.attn_out.weight           model.layers.N.self_attn.o_proj.weight
@@ -29,6 +30,7 @@ _TOP: dict[str, tuple[tuple[str, str], ...]] = {
         ("embed.tokens.", "model.transformer.wte."),
         ("embed.positions.", "model.transformer.wpe."),
         ("embed.mdlmpe.", "model.transformer.mdlmpe."),
+        ("shared_phase.", "model.transformer.mdlmpe_phase."),
         ("norm.", "model.transformer.ln_f."),
         ("lm_head.", "model.transformer.ff_out."),
     ),
@@ -36,6 +38,7 @@ _TOP: dict[str, tuple[tuple[str, str], ...]] = {
         ("embed.tokens.", "model.embed_tokens."),
         ("embed.positions.", "model.embed_positions."),
         ("embed.mdlmpe.", "model.mdlmpe."),
+        ("shared_phase.", "model.mdlmpe_phase."),
         ("norm.", "model.norm."),
         ("lm_head.", "lm_head."),
     ),

@@ -19,7 +19,9 @@ ZeRO-3 notes (the model itself never imports DeepSpeed):
 - a few parameters are read outside their owner's ``forward`` (the MDLMPE phase MLP is consumed as
   raw weights by the attention kernels, the embedding path reads W_p, b_p and g);
   ``zero3_external_parameters`` lists them with the module that reads them, for the engine to
-  register with ``deepspeed.zero.register_external_parameter``.
+  register with ``deepspeed.zero.register_external_parameter``. With ``phase_mlp="shared"`` the one
+  phase MLP (``shared_phase``, owned by the model) is read by every layer's attention: it is listed
+  once per layer, so each layer gathers it for its own forward and backward.
 """
 
 from __future__ import annotations
@@ -81,10 +83,21 @@ class LayerContext:
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head / grouped-query attention with the configured position encoding."""
+    """Bidirectional multi-head / grouped-query attention with the configured position encoding.
+
+    MDLMPE: with ``phase_mlp="per_layer"`` the layer owns its phase MLP (``self.phase``); with
+    ``"shared"`` it owns none (``self.phase`` is None) and reads ``shared_phase``, the model's, held
+    outside the module tree (a tuple) so that its parameters are registered, saved and counted once,
+    under the model. ``phase_mlp`` is the one this layer uses, either way.
+    """
 
     def __init__(
-        self, config: ModelConfig, device=None, impl: AttentionImpl | None = None, layer_index: int = 0
+        self,
+        config: ModelConfig,
+        device=None,
+        impl: AttentionImpl | None = None,
+        layer_index: int = 0,
+        shared_phase: PhaseMLP | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -96,17 +109,29 @@ class Attention(nn.Module):
         self.k_proj = NormalLinear(d, config.num_kv_heads * hd, config.qkv_bias, std, device)
         self.v_proj = NormalLinear(d, config.num_kv_heads * hd, config.qkv_bias, std, device)
         self.o_proj = NormalLinear(config.num_heads * hd, d, False, std, device)
-        if config.position_encoding == "mdlmpe":
+        self.phase: PhaseMLP | None = None
+        self._shared_phase: tuple[PhaseMLP, ...] = ()
+        mdlmpe = config.position_encoding == "mdlmpe"
+        if mdlmpe and config.mdlmpe.shared_phase:
+            if shared_phase is None:
+                raise ValueError(
+                    "phase_mlp='shared': pass the model's PhaseMLP as shared_phase when building a layer"
+                )
+            self._shared_phase = (shared_phase,)
+        elif mdlmpe:
             num_pairs = hd // 2
             with init_stream("phase_mlp", layer_index):  # the backbone's draws stay those of RoPE
                 self.phase = PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
-        else:
-            self.phase = None
         # Per-KV-head MDLMPE switch (docs/method.md "Heads"); not a checkpoint tensor.
         self.register_buffer(
             "active_kv", torch.ones(config.num_kv_heads, dtype=torch.bool, device=device), persistent=False
         )
         self._all_active = True
+
+    @property
+    def phase_mlp(self) -> PhaseMLP | None:
+        """The phase MLP this layer's MDLMPE attention uses: its own, or the model's shared one."""
+        return self.phase if self.phase is not None else next(iter(self._shared_phase), None)
 
     def set_active_kv_heads(self, mask: torch.Tensor) -> None:
         if mask.shape != (self.num_kv_heads,) or mask.dtype != torch.bool:
@@ -141,7 +166,7 @@ class Attention(nn.Module):
                 v,
                 ctx.features.A,
                 ctx.features.D,
-                self.phase.params(),
+                self.phase_mlp.params(),
                 self.config.mdlmpe,
                 self.impl,
                 active_kv=None if self._all_active else self.active_kv,
@@ -163,11 +188,16 @@ class Block(nn.Module):
     """Pre-norm transformer block (LLaDA ``LLaDALlamaBlock`` / Qwen2 decoder layer, without the mask)."""
 
     def __init__(
-        self, config: ModelConfig, device=None, impl: AttentionImpl | None = None, layer_index: int = 0
+        self,
+        config: ModelConfig,
+        device=None,
+        impl: AttentionImpl | None = None,
+        layer_index: int = 0,
+        shared_phase: PhaseMLP | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.attn = Attention(config, device, impl, layer_index)
+        self.attn = Attention(config, device, impl, layer_index, shared_phase)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = SwiGLU(config, device)
 
@@ -258,7 +288,12 @@ class DiffusionLM(nn.Module):
         self.impl = (impl if impl is not None else AttentionImpl()).validate()
         self.recompute = (recompute if recompute is not None else Recompute()).validate()
         self.embed = InputEmbedding(config, device)
-        self.layers = nn.ModuleList(Block(config, device, self.impl, i) for i in range(config.num_layers))
+        # phase_mlp="shared": one phase MLP for every layer, from a stream of its own (the backbone
+        # and the encoder draw what they draw for RoPE and for per-layer MLPs alike).
+        self.shared_phase = build_shared_phase(config, device)
+        self.layers = nn.ModuleList(
+            Block(config, device, self.impl, i, self.shared_phase) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.lm_head = NormalLinear(config.hidden_size, config.vocab_size, False, config.init_std, device)
         self.tie_weights()
@@ -377,6 +412,11 @@ class DiffusionLM(nn.Module):
         for layer in self.layers:
             layer.attn.set_active_kv_heads(mask)
 
+    def phase_mlps(self) -> list[PhaseMLP]:
+        """The phase MLP of each layer, in layer order (the same module N times when shared); [] for
+        other encodings."""
+        return [layer.attn.phase_mlp for layer in self.layers if layer.attn.phase_mlp is not None]
+
     def mdlmpe_parameter_names(self) -> list[str]:
         """Names (as in ``named_parameters``) of the MDLMPE-only parameters: W_p, b_p, g, phase MLPs."""
         return [name for name, _ in self.named_parameters() if _is_mdlmpe_name(name)]
@@ -396,15 +436,17 @@ class DiffusionLM(nn.Module):
 
         The attention kernels consume the phase MLP as raw weights (``PhaseMLP.params()``) and the
         embedding path reads W_p, b_p and g directly, so ZeRO-3's per-module gathering would not
-        fetch them. The engine registers each pair with ``deepspeed.zero.register_external_parameter``
-        before ``deepspeed.initialize``; this module never imports DeepSpeed.
+        fetch them. A shared phase MLP is read by every layer: its parameters are paired with each
+        layer's attention. The engine registers each pair with
+        ``deepspeed.zero.register_external_parameter`` before ``deepspeed.initialize``; this module
+        never imports DeepSpeed.
         """
         pairs: list[tuple[nn.Module, nn.Parameter]] = []
         if self.embed.mdlmpe is not None:
             pairs += [(self.embed, p) for p in self.embed.mdlmpe.parameters()]
         for layer in self.layers:
-            if layer.attn.phase is not None:
-                pairs += [(layer.attn, p) for p in layer.attn.phase.parameters()]
+            if layer.attn.phase_mlp is not None:
+                pairs += [(layer.attn, p) for p in layer.attn.phase_mlp.parameters()]
         return pairs
 
     def zero3_leaf_modules(self) -> list[nn.Module]:
@@ -444,10 +486,25 @@ class DiffusionLM(nn.Module):
                 if layer.attn.phase is not None:
                     with init_stream("phase_mlp", layer.attn.layer_index):
                         layer.attn.phase.reset_parameters()
+            if self.shared_phase is not None:
+                with init_stream("shared_phase_mlp"):
+                    self.shared_phase.reset_parameters()
+
+
+def build_shared_phase(config: ModelConfig, device=None) -> PhaseMLP | None:
+    """The model's one phase MLP when ``mdlmpe.phase_mlp == "shared"`` (else None), initialised as
+    a layer's (W1, b1 default, W2 = b2 = 0) from the stream ``shared_phase_mlp``: its own tag, so
+    the backbone stays that of RoPE for one seed, and the shared MLP is not layer 0's MLP of a
+    per-layer model either."""
+    if config.position_encoding != "mdlmpe" or not config.mdlmpe.shared_phase:
+        return None
+    num_pairs = config.head_dim // 2
+    with init_stream("shared_phase_mlp"):
+        return PhaseMLP(num_pairs, config.mdlmpe.hidden_width(num_pairs), device=device)
 
 
 def _is_mdlmpe_name(name: str) -> bool:
-    return name.startswith("embed.mdlmpe.") or ".attn.phase." in name
+    return name.startswith(("embed.mdlmpe.", "shared_phase.")) or ".attn.phase." in name
 
 
 def _numel(p: torch.Tensor) -> int:

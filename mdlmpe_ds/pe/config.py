@@ -12,13 +12,16 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 COORDINATES = ("sine", "mlp", "none")
+# "per_layer": every attention layer owns a phase MLP; "shared": one phase MLP, owned by the model,
+# serves every layer (the paper's "shared" MLP, docs/method.md "Phase MLP: per layer or shared").
+PHASE_MLPS = ("per_layer", "shared")
 # max_seq_len "not given": L_ref follows the length of the model (ModelConfig) or run (RunConfig).
 FOLLOW_MODEL = -1
 
 # Keys this config once had that say how the attention is computed, not what it computes; they
 # moved to the run's attention section (mdlmpe_ds.attention.impl.AttentionImpl). None: removed
 # (every block now recomputes its pair tensors). A new config naming one is an error that says
-# where it went; configs stored by older checkpoints and exports drop them (drop_moved_keys).
+# where it went; configs stored by older checkpoints and exports drop them (read_stored).
 MOVED_KEYS = {
     "backend": "attention.backend",
     "block_size": "attention.query_block",
@@ -28,10 +31,22 @@ MOVED_KEYS = {
 }
 
 
+# Keys added after checkpoints and exports were first written, with the value that computes what
+# those (which lack the key) computed: a stored config without one reads as that value.
+ADDED_KEYS = {"phase_mlp": "per_layer"}
+
+
 def drop_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` (a stored MDLMPE config) without the keys of MOVED_KEYS: what an old checkpoint or
     exported model stored there is a run-time choice, and the model is the same without it."""
     return {k: v for k, v in data.items() if k not in MOVED_KEYS}
+
+
+def read_stored(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored MDLMPE config (a checkpoint's or an export's) as this version spells it: the keys
+    of MOVED_KEYS dropped, the keys of ADDED_KEYS it lacks filled with the value it computed with
+    (so an old checkpoint compares equal to the same model configured today)."""
+    return {**ADDED_KEYS, **drop_moved_keys(data)}
 
 
 def _moved_key_error(key: str) -> ValueError:
@@ -77,6 +92,9 @@ class MDLMPEConfig:
     # (Appendix C "MLP instead of basis"); "none": c = 1 for every pair (binary/Gaussian only).
     coordinate: str = "sine"
     use_embedding: bool = True
+    # Who owns the phase MLP: each layer ("per_layer") or the model ("shared", one for all layers).
+    # Configs stored before this key existed read as "per_layer" (the dataclass default).
+    phase_mlp: str = "per_layer"
 
     def validate(self) -> MDLMPEConfig:
         def bad(key: str, why: str) -> ValueError:
@@ -100,7 +118,14 @@ class MDLMPEConfig:
             raise bad("phase_hidden", "must be >= 1 or None")
         if self.coordinate not in COORDINATES:
             raise bad("coordinate", f"must be one of {COORDINATES}")
+        if self.phase_mlp not in PHASE_MLPS:
+            raise bad("phase_mlp", f"must be one of {PHASE_MLPS}")
         return self
+
+    @property
+    def shared_phase(self) -> bool:
+        """Whether one phase MLP serves every layer (``phase_mlp="shared"``)."""
+        return self.phase_mlp == "shared"
 
     @property
     def window(self) -> int:
@@ -136,6 +161,6 @@ class MDLMPEConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
         """A validated config from ``data``; a key of MOVED_KEYS is an error that says where it went
-        (read stored configs through :func:`drop_moved_keys` first)."""
+        (read stored configs through :func:`read_stored` first)."""
         cls.check_keys(data)
         return cls(**data).validate()

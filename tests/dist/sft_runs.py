@@ -69,9 +69,12 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def command(args: list[str], nproc: int = 2, faults: dict | None = None) -> list[str]:
+def command(
+    args: list[str], nproc: int = 2, faults: dict | None = None, ds_config: Path = DS_CONFIG
+) -> list[str]:
     """torchrun on launch/sft.py, or with ``faults`` (mdlmpe_ds.faults.Faults fields) on the worker
-    that injects them (sft_with_faults.py)."""
+    that injects them (sft_with_faults.py); ``ds_config``: the DeepSpeed config (default: the shipped
+    zero3.json)."""
     script = [str(SFT)] if faults is None else [str(FAULTS_WORKER), json.dumps(faults)]
     return [
         sys.executable,
@@ -81,7 +84,7 @@ def command(args: list[str], nproc: int = 2, faults: dict | None = None) -> list
         f"--master_port={free_port()}",
         *script,
         "--deepspeed",
-        str(DS_CONFIG),
+        str(ds_config),
         *args,
     ]
 
@@ -92,9 +95,10 @@ def launch(
     nproc: int = 2,
     timeout: float = 240,
     faults: dict | None = None,
+    ds_config: Path = DS_CONFIG,
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(args, nproc, faults),
+        command(args, nproc, faults, ds_config),
         env=env(extra_env),
         capture_output=True,
         text=True,

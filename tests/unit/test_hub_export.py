@@ -56,10 +56,14 @@ def _batch(config):
         ("dream", "mdlmpe", True),
         ("llada", "alibi", False),  # the from-scratch baselines load too
         ("dream", "absolute", False),
+        ("llada", "mdlmpe-shared", False),  # one phase MLP for the model (phase_mlp="shared")
+        ("dream", "mdlmpe-shared", True),
     ],
 )
 def test_export_loads_in_transformers_with_our_logits(tmp_path, qwen_tokenizer_dir, family, encoding, tied):
-    model = _trained_looking(family, encoding, tie_embeddings=tied)
+    kw = {"mdlmpe": {"phase_mlp": "shared"}} if encoding == "mdlmpe-shared" else {}
+    encoding = encoding.removesuffix("-shared")
+    model = _trained_looking(family, encoding, tie_embeddings=tied, **kw)
     save_pretrained(model, tmp_path, model.config)
     finish_export(tmp_path, family, qwen_tokenizer_dir)
     ours = load_pretrained(tmp_path).eval()

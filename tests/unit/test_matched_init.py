@@ -81,6 +81,28 @@ def test_position_modules_depend_on_the_seed_and_their_own_key():
     assert all(torch.equal(a.state_dict()[n], sb[n]) for n in names if "gate" not in n)
 
 
+def test_shared_phase_mlp_has_its_own_stream():
+    """phase_mlp="shared": the one MLP draws from its own stream (tag ``shared_phase_mlp``), keyed by
+    the seed; the encoder and the backbone are those of the per-layer model of the same seed, the
+    shared MLP is none of the per-layer model's MLPs, and a re-initialisation redraws it."""
+    shared, again, other = (_build("llada", "mdlmpe-shared", s) for s in (3, 3, 4))
+    per_layer = _build("llada", "mdlmpe", 3).state_dict()
+    sd, sa, so = shared.state_dict(), again.state_dict(), other.state_dict()
+    for name in ("shared_phase.fc1.weight", "shared_phase.fc1.bias"):
+        assert torch.equal(sd[name], sa[name]) and not torch.equal(sd[name], so[name])
+        for i in range(len(shared.layers)):
+            assert not torch.equal(
+                sd[name], per_layer[name.replace("shared_phase", f"layers.{i}.attn.phase")]
+            )
+    assert sd["shared_phase.fc2.weight"].abs().max() == 0  # W2 = b2 = 0: delta = 0 at the start
+    assert all(torch.equal(t, per_layer[n]) for n, t in sd.items() if not n.startswith("shared_phase."))
+    with torch.no_grad():
+        for p in shared.shared_phase.parameters():
+            p.normal_()
+    shared.reset_mdlmpe_parameters()
+    assert all(torch.equal(shared.state_dict()[n], sa[n]) for n in sa if n.startswith("shared_phase."))
+
+
 def test_absolute_table_has_its_own_stream():
     """The absolute position table also draws from its own stream (the backbone test covers the
     other weights); it depends on the seed."""
