@@ -10,6 +10,7 @@ arms is the position module's. Arms:
 * ``mdlmpe-strong-gate``: the embedding gate starts at gamma 0.5 with gamma_max 1 (paper: 0.01, 0.1);
 * ``mdlmpe-phase-only``: no embedding path; ``mdlmpe-embedding-only``: no phase residual (every
   KV head off the phase path, docs/method.md "Heads");
+* ``mdlmpe-shared``: one phase MLP for the whole model (``phase_mlp="shared"``), the paper's reading;
 * ``oracle``: RoPE plus a learned embedding of the true gap length (the masked stretch a masked
   token sits in; 0 where visible) added to the input: the ceiling for any layout feature.
 
@@ -38,6 +39,7 @@ ARMS: dict[str, dict] = {
     "mdlmpe-strong-gate": {"position_encoding": "mdlmpe", "mdlmpe": {"gamma_init": 0.5, "gamma_max": 1.0}},
     "mdlmpe-phase-only": {"position_encoding": "mdlmpe", "mdlmpe": {"use_embedding": False}},
     "mdlmpe-embedding-only": {"position_encoding": "mdlmpe", "phase": False},
+    "mdlmpe-shared": {"position_encoding": "mdlmpe", "mdlmpe": {"phase_mlp": "shared"}},
     "oracle": {"position_encoding": "rope", "oracle": True},
 }
 KNOCKOUTS = ("shuffle", "constant", "off")

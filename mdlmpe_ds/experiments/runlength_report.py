@@ -19,7 +19,6 @@ from mdlmpe_ds.experiments.runlength_train import area_log_ce, updates_to
 
 THRESHOLD = 0.1  # "learned": evaluated masked CE below this
 WORKS_RATIO, FAILS_RATIO, ORACLE_RATIO, ERASED, SEEDS_BELOW = 0.6, 0.9, 1 / 3, 0.5, 0.8
-MDLMPE_ARMS = ("mdlmpe", "mdlmpe-strong-gate", "mdlmpe-phase-only", "mdlmpe-embedding-only")
 
 
 def _median(values: list[float]) -> float:

@@ -141,11 +141,11 @@ def test_toy_study_runs_reports_and_reuses(tmp_path, capsys):
     main = runpy.run_path(str(script))["main"]
     assert main(["--toy", "--out", str(tmp_path), "--workers", "1"]) == 0
     first = capsys.readouterr().out
-    assert "8 to train" in first and "Verdict (L16-K3)" in first and "layout-blind" in first
+    assert "9 to train" in first and "Verdict (L16-K3)" in first and "layout-blind" in first
     for name in ("runlength.md", "runlength.json", "runlength.png"):
         assert (tmp_path / name).is_file()
     assert main(["--toy", "--out", str(tmp_path), "--workers", "1"]) == 0
-    assert "8 reused, 0 to train" in capsys.readouterr().out
+    assert "9 reused, 0 to train" in capsys.readouterr().out
 
 
 def test_learning_rate_warms_up_then_decays_to_its_floor():
