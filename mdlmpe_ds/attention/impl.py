@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
-# call from the tensors' device and logged (attention.choose_backend).
-ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton")
+# call from the tensors' device and logged (attention.choose_backend). "triton-pair": the pair-bias
+# kernels and SDPA with an additive bias (attention/triton/pair_backend.py), by name only.
+ATTENTION_BACKENDS = ("auto", "reference", "blocked", "triton", "triton-pair")
 
 
 @dataclass
@@ -53,9 +54,10 @@ class AttentionImpl:
 
     @property
     def keeps_pair_tensors(self) -> bool:
-        """Whether the attention keeps O(L^2) pair tensors for backward (the reference only); every
-        other backend recomputes them per block or tile, so layer checkpointing may leave it out."""
-        return self.backend == "reference"
+        """Whether the attention keeps O(L^2) tensors for backward: the reference (its pair tensors)
+        and triton-pair (SDPA keeps the [B, Hq, L, L] bias); the other backends recompute them per
+        block or tile, so layer checkpointing may leave them out of its recomputed segment."""
+        return self.backend in ("reference", "triton-pair")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
