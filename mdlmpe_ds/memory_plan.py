@@ -60,6 +60,10 @@ def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: in
     stats = 2 * FP32 * cfg.num_heads  # the per-row max and log-sum of the softmax, fp32 per query head
     if impl.backend == "triton":
         return stats  # and q, k, v, out (already counted)
+    if impl.backend == "triton-pair":  # SDPA's log-sum-exp, K, V repeated (GQA), the pair copies of q, k
+        pairs = len(range(1, cfg.head_dim // 2, 2))
+        repeated = 2 * p * hq if cfg.num_kv_heads != cfg.num_heads else 0
+        return FP32 * cfg.num_heads + repeated + 2 * pairs * p * (cfg.num_heads + cfg.num_kv_heads)
     # blocked: fp32 copies of q, k, v (the pair path runs in fp32; the same tensors as q, k, v when
     # they are fp32 already), each block's fp32 output and softmax statistics, the key dims of the
     # MDLMPE pairs (k1, k2) and A, D transposed, made contiguous: what every block saves
@@ -113,7 +117,7 @@ def layer_activation_bytes(
     mdlmpe = cfg.position_encoding == "mdlmpe"
     if mdlmpe:  # the output and what the backend keeps
         attention = (
-            p * hq + _bytes_per_token_attention_kept(cfg, impl, p) + _pair_bytes_saved(cfg, impl, length)
+            p * hq + _bytes_per_token_attention_kept(cfg, impl, p) + _pair_bytes_saved(cfg, impl, length, p)
         )
     else:  # SDPA: output, log-sum-exp; GQA: k, v repeated to every query head
         attention = p * hq + FP32 * cfg.num_heads + (2 * p * hq if cfg.num_kv_heads != cfg.num_heads else 0)
@@ -124,9 +128,11 @@ def layer_activation_bytes(
     # attention's output, q, k, v and input gradients (blocked MDLMPE: also fp32 ones of q, k, v)
     grads_mlp = p * (2 * m + d)
     grads_attention = p * (2 * hq + 2 * hkv + d)
-    if mdlmpe and impl.backend != "triton":
+    if mdlmpe and impl.backend == "triton-pair":  # fp32 pair gradients of q, k
+        grads_attention += FP32 * (hq + hkv)
+    elif mdlmpe and impl.backend != "triton":
         grads_attention += FP32 * (hq + 2 * hkv)
-    transient = attention_transient_bytes(cfg, batch, length, device, impl) / (batch * length)
+    transient = attention_transient_bytes(cfg, batch, length, device, impl, p) / (batch * length)
     attention_phase = grads_attention + transient
     if not recompute.layers:
         kept = full
@@ -142,24 +148,34 @@ def layer_activation_bytes(
     return {"kept": float(kept), "full": float(full), "peak": float(peak), "transient": float(transient)}
 
 
-def _pair_bytes_saved(cfg: ModelConfig, impl: AttentionImpl, length: int) -> float:
-    """Per token: the O(L) pair tensors a layer keeps when its MDLMPE attention saves them (the
-    reference path): ~8 fp32 [F] values per (i, j), fitted to measured layers at L = 128, 256."""
+def _pair_bytes_saved(cfg: ModelConfig, impl: AttentionImpl, length: int, p: int = FP32) -> float:
+    """Per token: the O(L) pair tensors a layer keeps when its MDLMPE attention saves them: the
+    reference path ~8 fp32 [F] values per (i, j), fitted to measured layers at L = 128, 256;
+    triton-pair the bias E that SDPA keeps, [Hq] per (i, j) in the activation dtype (p bytes)."""
+    if impl.backend == "triton-pair":
+        return float(p * cfg.num_heads * length)
     if impl.keeps_pair_tensors:
         return float(FP32 * 8 * (cfg.head_dim // 2) * length)
     return 0.0
 
 
 def attention_transient_bytes(
-    cfg: ModelConfig, batch: int, length: int, device: str = "cpu", impl: AttentionImpl | None = None
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    device: str = "cpu",
+    impl: AttentionImpl | None = None,
+    p: int = 2,
 ) -> float:
     """Working memory of one layer's attention beyond the per-token terms (transient, one layer at
     a time): the blocked MDLMPE path's fp32 pair tensors of one query block of C rows, about 12
     [B, C, |M|, L] fp32 tensors at the peak of its backward (alpha, beta, their gradients, the
     phase MLP's pieces; measured ~1.5 KB x C x L at d_h = 128, cf. the 1.4-1.7 KB of docs/method.md
     "Cost and precision"); the Triton kernels' alpha, beta and dE/d delta buffers, three
-    [B, |M|, L, L] fp32 tensors bounded per launch by ``impl.pair_buffer_gib``. SDPA tiles on chip;
-    paths that save their pair tensors count them per token (``_pair_bytes_saved``)."""
+    [B, |M|, L, L] fp32 tensors bounded per launch by ``impl.pair_buffer_gib``; triton-pair's bias
+    gradient dE, [B, Hq, L, L] in the activation dtype (``p`` bytes; its bias E, kept by SDPA, is
+    counted per token). SDPA tiles on chip; paths that save their pair tensors count them per token
+    (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
     impl = _backend_on(impl or AttentionImpl(), device)
@@ -168,6 +184,8 @@ def attention_transient_bytes(
         from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
 
         return float(pair_buffer_bytes(batch, length, len(range(1, pairs, 2)), impl.pair_buffer_bytes))
+    if impl.backend == "triton-pair":
+        return float(batch * cfg.num_heads * length * length * p)
     if _pair_bytes_saved(cfg, impl, length):  # saved: counted per token there
         return 0.0
     from mdlmpe_ds.attention.blocked import eager_block_rows

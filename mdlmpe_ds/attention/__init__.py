@@ -9,6 +9,8 @@
 - ``blocked``: query blocks of C rows, O(C L F) extra memory, per-block recomputation (eager or
   compiled as ``compile`` says); the CPU path (attention/blocked.py, maths in blocked_math.py).
 - ``triton``: fused GPU kernel (needs triton and CUDA tensors, or TRITON_INTERPRET=1 in tests).
+- ``triton-pair``: the correction E as an additive bias from head-looped pair kernels, then SDPA
+  (attention/triton/pair_backend.py); same needs as ``triton``; chosen by name only.
 
 No silent fallback: a backend that cannot run here raises with the reason (``auto`` on a GPU
 without triton too), it is never swapped for another.
@@ -72,6 +74,12 @@ def resolve_backend(name: str) -> AttentionFn:
 
         check_triton_available()
         return triton_attention
+    if name == "triton-pair":
+        from mdlmpe_ds.attention.triton.backend import check_triton_available
+        from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
+
+        check_triton_available()
+        return pair_bias_attention
     if name == "auto":
         raise ValueError("attention backend 'auto' depends on the tensors' device: use choose_backend first")
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")

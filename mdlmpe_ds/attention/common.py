@@ -10,10 +10,13 @@ padding-only sequence) degrades to a uniform average instead of NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
+from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 
@@ -147,6 +150,32 @@ def rope_attention(
         if not bool(has_key.all()):
             q = q * has_key[:, None, None, None].to(q.dtype)
     return grouped_sdpa(q, k, v, bias, scale)
+
+
+def route_active_heads(
+    fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    active_kv: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """MDLMPE attention of a fused path, ``fused(q, k, v)``, on the query heads whose KV head is
+    active (``active_kv`` [Hkv] bool; None: all), plain RoPE SDPA on the others, back in head order.
+    [B, Hq, L, d]. No active head: plain RoPE SDPA only (``fused`` is not called)."""
+    if active_kv is None or bool(active_kv.all()):
+        return fused(q, k, v)
+    if not bool(active_kv.any()):
+        return rope_attention(q, k, v, key_valid, scale)
+    active_kv = active_kv.to(device=q.device, dtype=torch.bool)
+    active_q = query_head_mask(active_kv, q.shape[1])
+    kv_on, kv_off = active_kv.nonzero().flatten(), (~active_kv).nonzero().flatten()
+    q_on, q_off = active_q.nonzero().flatten(), (~active_q).nonzero().flatten()
+    out_on = fused(q[:, q_on], k[:, kv_on], v[:, kv_on])
+    out_off = rope_attention(q[:, q_off], k[:, kv_off], v[:, kv_off], key_valid, scale)
+    order = torch.argsort(torch.cat([q_on, q_off]))  # back to the original head order
+    return torch.cat([out_on, out_off], dim=1)[:, order]
 
 
 def alibi_attention(

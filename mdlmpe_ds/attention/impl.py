@@ -15,7 +15,9 @@ from typing import Any
 # call from the tensors' device and logged (attention.choose_backend).
 # "dense": the pair phases of a layer formed once and the correction added as a bias, with plain
 # autograd (attention/dense.py): O(L^2 |M|) memory per head, for short rows (studies, tests).
-ATTENTION_BACKENDS = ("auto", "reference", "dense", "blocked", "triton")
+# "triton-pair": the pair-bias kernels and SDPA with an additive bias
+# (attention/triton/pair_backend.py), by name only.
+ATTENTION_BACKENDS = ("auto", "reference", "dense", "blocked", "triton", "triton-pair")
 
 
 @dataclass
@@ -55,9 +57,11 @@ class AttentionImpl:
 
     @property
     def keeps_pair_tensors(self) -> bool:
-        """Whether the attention keeps O(L^2) pair tensors for backward (reference, dense); the
-        others recompute them per block or tile, so layer checkpointing may leave them out."""
-        return self.backend in ("reference", "dense")
+        """Whether the attention keeps O(L^2) tensors for backward: the reference and dense paths
+        (their pair tensors) and triton-pair (SDPA keeps the [B, Hq, L, L] bias); the other backends
+        recompute them per block or tile, so layer checkpointing may leave them out of its
+        recomputed segment."""
+        return self.backend in ("reference", "dense", "triton-pair")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -25,12 +25,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mdlmpe_ds.attention.triton.launch import (
+    PAIR_KERNELS,
     PHASE_KERNELS,
     SHARED_MEMORY_LIMIT,
     LaunchConfig,
+    PairLaunchConfig,
     kernel_constexprs,
     kernel_options,
     launch_config,
+    pair_constexprs,
+    pair_kernel_options,
+    pair_launch_config,
 )
 from mdlmpe_ds.pe.phase import mdlmpe_pairs
 
@@ -38,7 +43,7 @@ _INTS = {"L", "LP", "R0", "RB", "KSPAN", "SYM", "HQ", "HKV", "F", "HID", "NM"}
 _FLOATS = {"tau_max", "clip_kappa", "scale"}
 _DIVISIBLE_INTS = {"L", "LP", "R0", "RB", "KSPAN"}
 # Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32.
-_MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr"}
+_MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr", "qpair", "kpair", "bias", "dbias"}
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -50,7 +55,7 @@ class KernelResources:
     capability: int
     head_dim: int
     dtype: str
-    config: LaunchConfig
+    config: LaunchConfig | PairLaunchConfig
     shared_bytes: int
     shared_limit: int
     registers: int
@@ -72,7 +77,9 @@ class KernelResources:
 
     def line(self) -> str:
         c = self.config
-        if self.kernel in PHASE_KERNELS:
+        if self.kernel in PAIR_KERNELS:
+            shape = f"tile={c.tile_m}x{c.tile_n} chunk={c.pair_chunk} warps={c.num_warps}"
+        elif self.kernel in PHASE_KERNELS:
             shape = f"tile={c.phase_tile} chunk={c.pair_chunk} warps={c.phase_warps}"
         else:
             shape = f"tile={c.tile} G={c.heads_per_program} warps={c.num_warps} stages={c.num_stages}"
@@ -93,6 +100,16 @@ def _kernel_fn(name: str):
         "forward": kern.mdlmpe_fwd_kernel,
         "backward": kern.mdlmpe_bwd_kernel,
         "phase_backward": kern.phase_bwd_kernel,
+    }[name]
+
+
+def _pair_kernel_fn(name: str):
+    from mdlmpe_ds.attention.triton import pair_bias
+
+    return {
+        "pair_forward": pair_bias.pair_bias_fwd_kernel,
+        "pair_backward_q": pair_bias.pair_bias_bwd_q_kernel,
+        "pair_backward_k": pair_bias.pair_bias_bwd_k_kernel,
     }[name]
 
 
@@ -121,15 +138,30 @@ def compile_cubin(
     head_dim: int,
     dtype: torch.dtype,
     capability: int,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | PairLaunchConfig | None = None,
     num_heads: int = 32,
 ):
     """Triton's compiled kernel (``.asm["cubin"]``, ``.metadata.shared``) of ``kernel`` ("forward",
     "backward") for sm_``capability``, with the launch settings the launcher would use
     (``config`` overrides them, for sweeps), at ``num_heads`` query = KV heads."""
 
-    config = config or launch_config(head_dim, dtype, capability)
     num_pairs = head_dim // 2
+    if kernel in PAIR_KERNELS:
+        pair_config = config or pair_launch_config(head_dim, dtype, capability)
+        meta = pair_constexprs(
+            num_heads=num_heads,
+            num_kv=num_heads,
+            head_dim=head_dim,
+            hidden=max(16, num_pairs // 2),
+            num_mdlmpe=len(mdlmpe_pairs(num_pairs)),
+            dtype=dtype,
+            config=pair_config,
+            interpreting=False,
+        )
+        return compile_function(
+            _pair_kernel_fn(kernel), meta, dtype, capability, pair_kernel_options(pair_config)
+        )
+    config = config or launch_config(head_dim, dtype, capability)
     meta = kernel_constexprs(
         num_heads=num_heads,
         num_kv=num_heads,
@@ -215,10 +247,12 @@ def compile_kernel(
     head_dim: int,
     dtype: torch.dtype,
     capability: int,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | PairLaunchConfig | None = None,
 ) -> KernelResources:
     """Compile ``kernel`` for sm_``capability`` (see :func:`compile_cubin`) and read its resources."""
-    config = config or launch_config(head_dim, dtype, capability)
+    if config is None:
+        pair = kernel in PAIR_KERNELS
+        config = (pair_launch_config if pair else launch_config)(head_dim, dtype, capability)
     start = time.perf_counter()
     compiled = compile_cubin(kernel, head_dim, dtype, capability, config)
     usage = resource_usage(compiled.asm["cubin"])

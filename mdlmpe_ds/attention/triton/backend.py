@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from mdlmpe_ds.attention.common import check_inputs, rope_attention
+from mdlmpe_ds.attention.common import check_inputs, route_active_heads
 from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
@@ -62,7 +62,6 @@ from mdlmpe_ds.attention.triton.launch import (
     pair_padding,
     phase_key_span,
 )
-from mdlmpe_ds.pe.heads import query_head_mask
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 # Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
@@ -435,7 +434,7 @@ def triton_attention(
     chunk = config.pair_chunk
     if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")
-    batch, num_heads, length, head_dim = q.shape
+    batch, _, length, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
     if key_valid is not None:
@@ -444,16 +443,8 @@ def triton_attention(
     if budget <= 0:
         raise ValueError(f"triton_attention: pair_buffer_bytes={pair_buffer_bytes} must be > 0")
     args = (tau_max, clip_kappa, scale, config, budget)
-    if active_kv is None or bool(active_kv.all()):
-        return _fused(q, k, v, A, D, phase, kbias, *args)
-    if not bool(active_kv.any()):
-        return rope_attention(q, k, v, key_valid, scale)
-    # Route: active KV heads (and their query heads) through the kernel, the rest through SDPA.
-    active_kv = active_kv.to(device=q.device, dtype=torch.bool)
-    active_q = query_head_mask(active_kv, num_heads)
-    kv_on, kv_off = active_kv.nonzero().flatten(), (~active_kv).nonzero().flatten()
-    q_on, q_off = active_q.nonzero().flatten(), (~active_q).nonzero().flatten()
-    out_on = _fused(q[:, q_on], k[:, kv_on], v[:, kv_on], A, D, phase, kbias, *args)
-    out_off = rope_attention(q[:, q_off], k[:, kv_off], v[:, kv_off], key_valid, scale)
-    order = torch.argsort(torch.cat([q_on, q_off]))  # back to the original head order
-    return torch.cat([out_on, out_off], dim=1)[:, order]
+
+    def fused(qs, ks, vs):
+        return _fused(qs, ks, vs, A, D, phase, kbias, *args)
+
+    return route_active_heads(fused, q, k, v, active_kv, key_valid, scale)

@@ -206,3 +206,84 @@ def kernel_options(kernel: str, config: LaunchConfig) -> dict[str, object]:
     warps = config.phase_warps if kernel in PHASE_KERNELS else config.num_warps
     stages = 1 if kernel in PHASE_KERNELS else config.num_stages
     return dict(num_warps=warps, num_stages=stages, maxnreg=config.max_registers, enable_fp_fusion=FP_FUSION)
+
+
+# ------------------------------------------------------------------ the pair-bias kernels (triton-pair)
+#: The kernels of the ``triton-pair`` backend (``triton.pair_bias``): the bias forward, and the
+#: backward's query side (with the phase MLP) and key side.
+PAIR_KERNELS = ("pair_forward", "pair_backward_q", "pair_backward_k")
+
+
+@dataclass(frozen=True)
+class PairLaunchConfig:
+    """Static launch parameters of the pair-bias kernels: a ``tile_m`` x ``tile_n`` (i, j) tile per
+    program or loop step (its [tile_m tile_n, F] MLP input and [tile_m, tile_n, pair_chunk]
+    alpha, beta live in registers; the forward's grid is (L / tile_m, L / tile_n), the backward's
+    query side L / tile_m programs, its key side L / tile_n), ``pair_chunk`` MDLMPE pairs per chunk
+    of the MLP's output layer (>= 16 on a GPU: a tile product), ``num_warps`` and
+    ``max_registers`` (PTX ``.maxnreg``)."""
+
+    tile_m: int = 8
+    tile_n: int = 16
+    pair_chunk: int = 16
+    num_warps: int = 8
+    max_registers: int = 255
+
+
+def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> PairLaunchConfig:
+    """The pair-bias kernels' launch settings for ``head_dim``, ``dtype`` and sm_``capability``
+    (the same everywhere so far), chosen from ahead-of-time compiles (sm_90, bf16, d_h 128;
+    tests/unit/test_triton_resources.py prints and bounds them):
+
+    - 8 x 16 tiles, 8 warps: the forward and the key-side backward compile without spills; the
+      query-side backward, which holds the phase MLP's hidden layer and its gradient through the
+      head loop (like the fused ``phase_bwd_kernel``), spills 216 B per thread at d_h 128 (none
+      at 64). Measured alternatives at d_h 128: 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps
+      3,224 B; 8 x 16 / 4 warps 1,048 B; 16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice
+      the programs reloading A, D and the pair components); 8 x 16 / 16 warps 96 B. On sm_80 the
+      same settings spill 736 / 1,608 B there (d_h 64 / 128; its tile products keep operands in
+      registers): sm_90 is the target these settings were chosen for.
+    - pairs in chunks of 16 (the smallest tile product), one pipelining stage.
+    """
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"triton pair launch config: dtype {dtype} is not bf16, fp16 or fp32")
+    if head_dim > 128:
+        raise ValueError(f"triton pair launch config: d_h={head_dim} has no checked launch settings (<= 128)")
+    return PairLaunchConfig()
+
+
+def pair_constexprs(
+    *,
+    num_heads: int,
+    num_kv: int,
+    head_dim: int,
+    hidden: int,
+    num_mdlmpe: int,
+    dtype: torch.dtype,
+    config: PairLaunchConfig,
+    interpreting: bool,
+    tau_max: float = 0.25,
+) -> dict[str, object]:
+    """The tl.constexpr arguments of the pair-bias kernels (all three share them): the phase
+    kernels' padding rules (``kernel_constexprs``), the tile, and REP = Hq / Hkv."""
+    floor = 1 if interpreting else 16
+    mc = min(pow2(num_mdlmpe, floor), config.pair_chunk)
+    return dict(
+        REP=num_heads // num_kv,
+        FP=pow2(head_dim // 2, floor),
+        HP=pow2(hidden, floor),
+        MC=mc,
+        NC=math.ceil(num_mdlmpe / mc),
+        BM=config.tile_m,
+        BN=config.tile_n,
+        PREC="ieee" if dtype == torch.float32 else "tf32",
+        POLY=abs(tau_max) <= POLY_TAU_MAX,
+    )
+
+
+def pair_kernel_options(config: PairLaunchConfig) -> dict[str, object]:
+    """Triton's launch / compile options of the pair-bias kernels (one pipelining stage: no loads
+    worth prefetching into shared memory, the work is the pair arithmetic)."""
+    return dict(
+        num_warps=config.num_warps, num_stages=1, maxnreg=config.max_registers, enable_fp_fusion=FP_FUSION
+    )

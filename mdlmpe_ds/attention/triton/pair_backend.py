@@ -1,0 +1,206 @@
+"""MDLMPE attention as RoPE attention with an additive bias: the ``triton-pair`` value of
+``AttentionImpl.backend`` (``--attention.backend triton-pair``).
+
+Same contract as ``reference_attention`` (the spec). The logit is S = (q . k + E) / sqrt(d_h)
+(docs/method.md "The correction form"), so the attention is SDPA with the additive bias
+B = E * scale + key bias, and its gradient dB is the gradient of the logits:
+- ``pair_bias.pair_bias_fwd_kernel`` writes B [B, Hq, L, L] for every active query head, computing
+  the phase MLP, alpha and beta once per (i, j) tile for all heads (no [B, |M|, L, L] buffers);
+- ``torch.nn.functional.scaled_dot_product_attention`` with that bias (a float ``attn_mask``
+  that requires grad): on a GPU the memory-efficient kernel, which returns dB; on the CPU the
+  math path;
+- ``pair_bias_bwd_q_kernel`` / ``pair_bias_bwd_k_kernel`` fold dE = dB * scale into the pair
+  components of dq, dk and, through dE/d delta summed over the heads in registers, into the
+  phase MLP's gradients: one slot per program, summed in torch, no atomics between programs
+  (a deterministic backward).
+
+Memory: B is kept by SDPA for its backward and dB lives during it: H_q L^2 elements each, in the
+attention's dtype, per sequence and layer. Layer checkpointing therefore recomputes this backend
+with the layer (``AttentionImpl.keeps_pair_tensors``): one layer's B and dB at a time.
+
+Precision: E is accumulated in fp32 and stored, scaled and with the key-padding bias folded in,
+in the attention's dtype (bf16 in bf16 training). SDPA's fused kernels take a bias in the query's
+dtype, and the rounding adds at most half an ulp of |E scale| to a logit whose bf16 q, k already
+carry that much (tests/unit/test_triton_pair.py bounds the output error it causes). The pair
+path itself (ratio, angle, MLP, alpha, beta, E, dE/d delta) is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mdlmpe_ds.attention.common import check_inputs, repeat_kv, route_active_heads
+from mdlmpe_ds.attention.triton.backend import _interpreting, check_triton_available
+from mdlmpe_ds.attention.triton.launch import (
+    PairLaunchConfig,
+    device_capability,
+    pair_constexprs,
+    pair_kernel_options,
+    pair_launch_config,
+)
+from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
+
+
+def pair_components(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, d_h] -> [B, H, L, 2 |M|] in x's dtype: dims 2m + 1 and F + 2m + 1 of MDLMPE pair
+    m side by side (a copy, exact)."""
+    num_pairs = x.shape[-1] // 2
+    both = torch.stack((x[..., pairs], x[..., pairs + num_pairs]), dim=-1)  # [B, H, L, NM, 2]
+    return both.flatten(-2).contiguous()
+
+
+class _PairBias(torch.autograd.Function):
+    """bias [B, Hq, L, L] in q's dtype = E * scale + kbias; gradients for q, k (their MDLMPE pair
+    dims) and the phase MLP. Inputs contiguous; A, D and the MLP fp32; kbias [B, L] fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config):
+        from mdlmpe_ds.attention.triton import pair_bias as kern
+
+        batch, num_heads, length, head_dim = q.shape
+        pairs = mdlmpe_pairs(head_dim // 2).to(q.device)
+        meta = pair_constexprs(
+            num_heads=num_heads,
+            num_kv=k.shape[1],
+            head_dim=head_dim,
+            hidden=w1.shape[0],
+            num_mdlmpe=len(pairs),
+            dtype=q.dtype,
+            config=config,
+            interpreting=_interpreting(),
+            tau_max=tau_max,
+        )
+        meta.update(pair_kernel_options(config))
+        qpair, kpair = pair_components(q, pairs), pair_components(k, pairs)
+        bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
+        grid = (math.ceil(length / config.tile_m), math.ceil(length / config.tile_n), batch)
+        dims = (length, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
+        kern.pair_bias_fwd_kernel[grid](
+            A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa, **meta
+        )
+        ctx.save_for_backward(qpair, kpair, A, D, w1, b1, w2, b2)
+        ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), meta, config)
+        return bias
+
+    @staticmethod
+    def backward(ctx, dbias):
+        from mdlmpe_ds.attention.triton import pair_bias as kern
+
+        qpair, kpair, A, D, w1, b1, w2, b2 = ctx.saved_tensors
+        q_shape, k_shape, pairs, dims, consts, meta, config = ctx.settings
+        dbias = dbias.contiguous()
+        batch, length = q_shape[0], q_shape[2]
+        f32 = dict(dtype=torch.float32, device=dbias.device)
+        dqpair = torch.zeros(qpair.shape, **f32)  # each row tile's program adds its own rows
+        dkpair = torch.zeros(kpair.shape, **f32)  # each key tile's program adds its own keys
+        row_tiles = math.ceil(length / config.tile_m)
+        slots = row_tiles * batch  # one per program of the query-side kernel
+        dw1 = torch.empty(slots, *w1.shape, **f32)
+        db1 = torch.empty(slots, *b1.shape, **f32)
+        dw2 = torch.zeros(slots, *w2.shape, **f32)
+        db2 = torch.zeros(slots, *b2.shape, **f32)
+        mlp = (A, D, w1, b1, w2, b2)
+        kern.pair_bias_bwd_q_kernel[(row_tiles, batch)](
+            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, **meta
+        )
+        kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), batch)](
+            *mlp, qpair, dbias, dkpair, *dims, *consts, **meta
+        )
+        dq = _scatter_pairs(dqpair, pairs, q_shape)
+        dk = _scatter_pairs(dkpair, pairs, k_shape)
+        return dq, dk, None, None, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 5
+
+
+def _scatter_pairs(dpair: torch.Tensor, pairs: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[B, H, L, 2 |M|] fp32 -> the gradient [B, H, L, d_h] fp32, zero outside the MDLMPE dims."""
+    out = torch.zeros(shape, dtype=torch.float32, device=dpair.device)
+    both = dpair.unflatten(-1, (len(pairs), 2))
+    out[..., pairs] = both[..., 0]
+    out[..., pairs + shape[-1] // 2] = both[..., 1]
+    return out
+
+
+def resolve_pair_launch(q: torch.Tensor, config: PairLaunchConfig | None = None) -> PairLaunchConfig:
+    """The pair-bias kernels' launch settings of a call: ``config`` if given, else
+    ``launch.pair_launch_config`` for q's head size, dtype and GPU (sm_90's in the interpreter)."""
+    if config is not None:
+        return config
+    capability = 90 if q.device.type != "cuda" else device_capability(q.device)
+    return pair_launch_config(q.shape[-1], q.dtype, capability)
+
+
+def _check_pair_inputs(q, k, v, A, D, phase: PhaseParams, active_kv, key_valid) -> None:
+    """The shapes every backend checks (``common.check_inputs``), then what the kernels add: an
+    even head size, one dtype, no gradient into A and D."""
+    name = "triton_pair_attention"
+    if q.dim() == 4 and q.shape[-1] % 2:
+        raise ValueError(f"{name}: head_dim={q.shape[-1]} must be even (rotary pairs)")
+    check_inputs(name, q, k, v, A, D, phase, active_kv, key_valid, 1)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"{name}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if A.requires_grad or D.requires_grad:
+        raise NotImplementedError(
+            f"{name}: gradients w.r.t. A, D (coordinate='mlp') are not implemented in the pair "
+            "kernels; use attention backend 'blocked' with a learned coordinate"
+        )
+
+
+def _biased_attention(q, k, v, A, D, phase: PhaseParams, key_valid, tau_max, clip_kappa, scale, config):
+    """All heads active: the pair bias, then SDPA with it. [B, Hq, L, d_h]."""
+    batch, num_heads, length, _ = q.shape
+    min_value = torch.finfo(q.dtype).min
+    kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
+    if key_valid is not None:
+        kbias.masked_fill_(~key_valid.bool(), min_value)
+        # As in common.rope_attention: a sequence with no valid key gets zero queries, so its rows
+        # are the uniform average of V in every precision.
+        has_key = key_valid.bool().any(dim=-1)
+        if not bool(has_key.all()):
+            q = q * has_key[:, None, None, None].to(q.dtype)
+    tensors = (q, k, A.float(), D.float(), *(p.float() for p in phase), kbias)
+    settings = (float(tau_max), float(clip_kappa), scale, config)
+    bias = _PairBias.apply(*(t.contiguous() for t in tensors), *settings)
+    # K, V repeated for GQA: the memory-efficient kernel (the one that returns the bias gradient)
+    # does not take grouped K, V.
+    return F.scaled_dot_product_attention(
+        q, repeat_kv(k, num_heads), repeat_kv(v, num_heads), attn_mask=bias, scale=scale
+    )
+
+
+def pair_bias_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    phase: PhaseParams,
+    *,
+    tau_max: float,
+    clip_kappa: float,
+    active_kv: torch.Tensor | None = None,
+    key_valid: torch.Tensor | None = None,
+    scale: float | None = None,
+    launch: PairLaunchConfig | None = None,
+) -> torch.Tensor:
+    """MDLMPE attention through the pair-bias kernels and SDPA; the numbers of
+    ``reference_attention`` (Eq. (26)). q [B, Hq, L, d_h], k/v [B, Hkv, L, d_h] (RoPE-rotated);
+    A, D [B, L, F] fp32 (no grad); ``active_kv`` [Hkv] bool (None: all; inactive heads run plain
+    RoPE SDPA); ``key_valid`` [B, L] bool; ``launch``: the kernels' settings (None: per GPU).
+    Output [B, Hq, L, d_h] in q's dtype; gradients for q, k, v and the phase MLP."""
+    check_triton_available()
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"attention backend 'triton-pair' got {q.device.type} tensors: its kernels run on CUDA tensors "
+            "(TRITON_INTERPRET=1 runs them on the CPU, tests only); use backend 'auto' or 'blocked' here"
+        )
+    config = resolve_pair_launch(q, launch)
+    _check_pair_inputs(q, k, v, A, D, phase, active_kv, key_valid)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+    def fused(qs, ks, vs):
+        return _biased_attention(qs, ks, vs, A, D, phase, key_valid, tau_max, clip_kappa, scale, config)
+
+    return route_active_heads(fused, q, k, v, active_kv, key_valid, scale)

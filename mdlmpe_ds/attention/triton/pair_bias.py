@@ -1,0 +1,314 @@
+"""The @triton.jit kernels of the ``triton-pair`` backend: the MDLMPE correction as an additive
+attention bias, computed once per (i, j) tile for every head of a layer.
+
+Import this module only after deciding the execution mode (``TRITON_INTERPRET``), like
+``triton.kernels``, whose maths helpers it reuses (the pair ratio and angle, the phase MLP, the
+polynomial sin / cos, the row loads): the numbers of alpha, beta are those of the fused kernels.
+
+Why this design (docs/method.md "The correction form"). alpha = cos(delta) - 1 and beta = sin(delta)
+depend on (i, j, m) only. The fused kernels write them to fp32 [B, |M|, L, L] buffers and stream
+them through L2 once per head group. Here a program computes them for its (i, j) tile in
+registers and loops over the heads itself, so nothing of size |M| L^2 is ever written:
+- ``pair_bias_fwd_kernel`` (grid: row tiles, key tiles, sequences): r, s, the MLP, delta, alpha,
+  beta of the tile, then per query head E = sum_m alpha C + beta S (fp32) and the bias
+  E * scale + key bias, stored in the attention's dtype into bias [B, Hq, L, L]. A flash-class
+  attention with that additive bias gives the MDLMPE output and returns its gradient dBias.
+- ``pair_bias_bwd_q_kernel`` (grid: row tiles, sequences; loop over key tiles): per tile alpha,
+  beta again, per head dE = dBias * scale folded into the query pair gradient (this program's
+  rows only: atomics from one program, a fixed order) and into dE/d delta summed over the heads
+  in registers; then, still in registers, back through tau * tanh and the MLP; the MLP gradients
+  go to this program's own slot, summed in torch (a fixed order: deterministic).
+- ``pair_bias_bwd_k_kernel`` (grid: key tiles, sequences; loop over row tiles): the key pair
+  gradient, summed over the query heads of each KV head in registers, into this program's keys.
+No program adds to memory another program writes: the backward is deterministic on a GPU.
+
+Layouts (contiguous, made by the wrapper): qpair [B, Hq, L, 2 NM], kpair [B, Hkv, L, 2 NM] in the
+model dtype (component 0 of pair m, dim 2m + 1, at 2m; component 1, dim F + 2m + 1, at 2m + 1:
+a copy, exact); bias, dbias [B, Hq, L, L] in the model dtype; kbias [B, L] fp32 (0 or the
+dtype's finfo.min); dqpair [B, Hq, L, 2 NM] and dkpair [B, Hkv, L, 2 NM] fp32 (zeroed); A, D
+[B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32; MLP-gradient slots dw1 [S, H, F],
+db1 [S, H] (written), dw2 [S, NM, H], db2 [S, NM] (zeroed). Query head h reads KV head h // REP.
+Rows and keys past L are masked on load (A = 0, D = 1, pair components 0) and never stored.
+
+Gradients of E for pair m (C = q1 k1 + q2 k2, S = q2 k1 - q1 k2; kernels.py): dE/dq1 = alpha k1 -
+beta k2, dE/dq2 = alpha k2 + beta k1, dE/dk1 = alpha q1 + beta q2, dE/dk2 = alpha q2 - beta q1,
+dE/d delta = -beta C + (1 + alpha) S.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mdlmpe_ds.attention.triton.kernels import _load_rows, _load_w1, _phase_chunk, _phase_hidden
+
+
+@triton.jit
+def _pair_rows(ptr, b, head, pos, m, num_heads, L, NM, pos_ok, m_ok):
+    """Pair components (x1, x2) [R, MC] fp32 of pairs ``m`` [MC] at positions ``pos`` [R] of one
+    head in a [B, H, L, 2 NM] array (zero outside)."""
+    row = ((b * num_heads + head) * L + pos).to(tl.int64) * (2 * NM)
+    offs = row[:, None, None] + (2 * m)[None, :, None] + tl.arange(0, 2)[None, None, :]  # [R, MC, 2]
+    mask = pos_ok[:, None, None] & m_ok[None, :, None]
+    return tl.split(tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _pair_store(ptr, b, head, pos, m, num_heads, L, NM, pos_ok, m_ok, x1, x2):
+    """Add (x1, x2) [R, MC] to the pair components of one head (relaxed atomics: only the calling
+    program touches these positions, from the same threads each time: a fixed order)."""
+    row = ((b * num_heads + head) * L + pos).to(tl.int64) * (2 * NM)
+    offs = row[:, None, None] + (2 * m)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    mask = pos_ok[:, None, None] & m_ok[None, :, None]
+    tl.atomic_add(ptr + offs, tl.join(x1, x2), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _plane(ptr, b, head, rows, cols, num_heads, L, row_ok, col_ok):
+    """Offsets and mask [BM, BN] of a (row tile, key tile) in one head's L x L plane of a
+    [B, H, L, L] array."""
+    base = ((b * num_heads + head) * L + rows).to(tl.int64) * L
+    return ptr + base[:, None] + cols[None, :], row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _tile_features(a_ptr, d_ptr, b, pos, f, L, F, f_ok):
+    """A, D rows [R, FP] of positions ``pos`` (A = 0, D = 1 past L: a finite ratio)."""
+    ok = pos < L
+    a = _load_rows(a_ptr, b, pos, f, L, F, ok, f_ok, 0.0)
+    return a, _load_rows(d_ptr, b, pos, f, L, F, ok, f_ok, 1.0)
+
+
+@triton.jit
+def pair_bias_fwd_kernel(
+    a_ptr,
+    d_ptr,
+    w1,
+    b1,
+    w2,
+    b2,
+    qpair,
+    kpair,
+    kbias,
+    bias,
+    L,
+    HQ,
+    HKV,
+    F,
+    HID,
+    NM,
+    scale,
+    tau_max,
+    clip_kappa,
+    REP: tl.constexpr,
+    FP: tl.constexpr,
+    HP: tl.constexpr,
+    MC: tl.constexpr,
+    NC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+    POLY: tl.constexpr,
+):
+    """bias[b, h, i, j] = E_h[i, j] * scale + kbias[b, j] for every query head h of the (row tile,
+    key tile) of this program (Eqs. (23)-(26) once, then 6 FMAs per head, pair and (i, j))."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    b = tl.program_id(2)
+    row_ok = rows < L
+    col_ok = cols < L
+    f = tl.arange(0, FP)
+    f_ok = f < F
+    a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
+    a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
+    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
+    # 1. The phase MLP once for all heads: alpha, beta [BM, BN, MC] per chunk of pairs, kept.
+    _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+    alphas = ()
+    betas = ()
+    for c in tl.static_range(NC):
+        _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+        alphas = alphas + (al,)  # noqa: RUF005
+        betas = betas + (be,)  # noqa: RUF005
+    key_bias = tl.load(kbias + b * L + cols, mask=col_ok, other=0.0)  # [BN]
+    # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32; the bias in the model dtype.
+    for h in range(HQ):
+        e = tl.zeros((BM, BN), tl.float32)
+        for c in tl.static_range(NC):
+            m = c * MC + tl.arange(0, MC)
+            m_ok = m < NM
+            q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
+            k1, k2 = _pair_rows(kpair, b, h // REP, cols, m, HKV, L, NM, col_ok, m_ok)  # [BN, MC]
+            q1 = q1[:, None, :]
+            q2 = q2[:, None, :]
+            k1 = k1[None, :, :]
+            k2 = k2[None, :, :]
+            e += tl.sum(alphas[c] * (q1 * k1 + q2 * k2) + betas[c] * (q2 * k1 - q1 * k2), axis=2)
+        ptrs, mask = _plane(bias, b, h, rows, cols, HQ, L, row_ok, col_ok)
+        tl.store(ptrs, (e * scale + key_bias[None, :]).to(bias.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def pair_bias_bwd_q_kernel(
+    a_ptr,
+    d_ptr,
+    w1,
+    b1,
+    w2,
+    b2,
+    qpair,
+    kpair,
+    dbias,
+    dqpair,
+    dw1,
+    db1,
+    dw2,
+    db2,
+    L,
+    HQ,
+    HKV,
+    F,
+    HID,
+    NM,
+    scale,
+    tau_max,
+    clip_kappa,
+    REP: tl.constexpr,
+    FP: tl.constexpr,
+    HP: tl.constexpr,
+    MC: tl.constexpr,
+    NC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+    POLY: tl.constexpr,
+):
+    """For one row tile, over every key tile: the query pair gradients of every head, dE/d delta
+    summed over the heads, and the phase MLP's backward, into this program's slot
+    (b * row tiles + row tile)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = b * tl.num_programs(0) + pid
+    rows = pid * BM + tl.arange(0, BM)
+    row_ok = rows < L
+    f = tl.arange(0, FP)
+    f_ok = f < F
+    hh = tl.arange(0, HP)
+    a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
+    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
+    dw1_acc = tl.zeros((HP, FP), tl.float32)
+    db1_acc = tl.zeros((HP,), tl.float32)
+    for start in range(0, L, BN):
+        cols = start + tl.arange(0, BN)
+        col_ok = cols < L
+        a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
+        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        d_hid = tl.zeros((BM * BN, HP), tl.float32)
+        for c in tl.static_range(NC):
+            t, al, be, w2c = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+            m = c * MC + tl.arange(0, MC)
+            m_ok = m < NM
+            # 1. Per head: dE, the query pair gradient (P = dE (alpha + i beta) times z_k, summed
+            #    over the keys) and dE/d delta = -beta C + (1 + alpha) S, summed over the heads.
+            dd = tl.zeros((BM, BN, MC), tl.float32)
+            for h in range(HQ):
+                ptrs, mask = _plane(dbias, b, h, rows, cols, HQ, L, row_ok, col_ok)
+                ds = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale)[:, :, None]
+                q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
+                k1, k2 = _pair_rows(kpair, b, h // REP, cols, m, HKV, L, NM, col_ok, m_ok)  # [BN, MC]
+                q1 = q1[:, None, :]
+                q2 = q2[:, None, :]
+                k1 = k1[None, :, :]
+                k2 = k2[None, :, :]
+                ga = ds * al
+                gb = ds * be
+                v1 = ga * k1 - gb * k2  # [BM, BN, MC]
+                v2 = ga * k2 + gb * k1
+                dq1 = tl.sum(v1, axis=1)  # [BM, MC]
+                dq2 = tl.sum(v2, axis=1)
+                _pair_store(dqpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok, dq1, dq2)
+                dd += q2 * (ds * k1 + v1) - q1 * (ds * k2 + v2)
+            # 2. Back through delta = tau tanh(W2 hid + b2): this chunk's W2 rows, b2 and hid.
+            d_out = tl.reshape(dd, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
+            w_mask = m_ok[:, None] & (hh[None, :] < HID)
+            dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
+            w2_slot = dw2 + slot * NM * HID + m[:, None] * HID + hh[None, :]
+            tl.atomic_add(w2_slot, dw2_c, mask=w_mask, sem="relaxed")  # only this program's slot
+            tl.atomic_add(db2 + slot * NM + m, tl.sum(d_out, axis=0), mask=m_ok, sem="relaxed")
+            d_hid += tl.dot(d_out, w2c, input_precision=PREC)  # [BM*BN, HP]
+        # 3. The hidden layer, recomputed (SWAP: not CSE'd with the first evaluation).
+        s2, pre, sig, _ = _phase_hidden(
+            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC, True
+        )
+        d_pre = d_hid * sig * (1.0 + pre * (1.0 - sig))
+        dw1_acc += tl.dot(tl.trans(d_pre), s2, input_precision=PREC)  # [HP, FP]
+        db1_acc += tl.sum(d_pre, axis=0)
+    w1_mask = (hh[:, None] < HID) & f_ok[None, :]
+    tl.store(dw1 + slot * HID * F + hh[:, None] * F + f[None, :], dw1_acc, mask=w1_mask)
+    tl.store(db1 + slot * HID + hh, db1_acc, mask=hh < HID)
+
+
+@triton.jit
+def pair_bias_bwd_k_kernel(
+    a_ptr,
+    d_ptr,
+    w1,
+    b1,
+    w2,
+    b2,
+    qpair,
+    dbias,
+    dkpair,
+    L,
+    HQ,
+    HKV,
+    F,
+    HID,
+    NM,
+    scale,
+    tau_max,
+    clip_kappa,
+    REP: tl.constexpr,
+    FP: tl.constexpr,
+    HP: tl.constexpr,
+    MC: tl.constexpr,
+    NC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+    POLY: tl.constexpr,
+):
+    """For one key tile, over every row tile: the key pair gradient of every KV head, P^T z_q
+    summed over the rows and the REP query heads that read it, added to this program's keys."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    b = tl.program_id(1)
+    col_ok = cols < L
+    f = tl.arange(0, FP)
+    f_ok = f < F
+    a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
+    w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
+    for start in range(0, L, BM):
+        rows = start + tl.arange(0, BM)
+        row_ok = rows < L
+        a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
+        # The same operand order as the forward: bit-identical alpha, beta.
+        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        for c in tl.static_range(NC):
+            _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+            m = c * MC + tl.arange(0, MC)
+            m_ok = m < NM
+            for kv in range(HKV):
+                dk1 = tl.zeros((BN, MC), tl.float32)
+                dk2 = tl.zeros((BN, MC), tl.float32)
+                for r in range(REP):
+                    h = kv * REP + r
+                    ptrs, mask = _plane(dbias, b, h, rows, cols, HQ, L, row_ok, col_ok)
+                    ds = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale)[:, :, None]
+                    q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
+                    q1 = q1[:, None, :]
+                    q2 = q2[:, None, :]
+                    ga = ds * al
+                    gb = ds * be
+                    dk1 += tl.sum(ga * q1 + gb * q2, axis=0)  # [BN, MC]
+                    dk2 += tl.sum(ga * q2 - gb * q1, axis=0)
+                _pair_store(dkpair, b, kv, cols, m, HKV, L, NM, col_ok, m_ok, dk1, dk2)

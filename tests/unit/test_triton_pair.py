@@ -1,0 +1,251 @@
+"""The ``triton-pair`` backend (pair-bias kernels + SDPA with an additive bias) equals the
+reference (the spec), forward and every gradient, under poisoned allocations.
+
+The kernels run in Triton's CPU interpreter in a child process (TRITON_INTERPRET must be set
+before triton decorates them, see test_triton_attention.py), with the poison and the inputs of
+test_attention_shapes.py: every uninitialised torch allocation is NaN, so an element no kernel
+wrote fails the comparison. Each case compares the output and the gradients of q, k, v and the
+phase MLP's four tensors. The interpreter runs every program in Python, so the cases are tiny.
+
+What the cases reach: lengths that the tile does not divide (48 at tile 32: a ragged last row
+and key tile in every kernel), ragged key padding and a padding-only sequence, GQA 2:1 (the key
+kernel's sum over the query heads of a KV head), some KV heads inactive (routed to plain SDPA),
+none active, bf16 (the bias stored in bf16), and the sm_90 launch settings at L = 272.
+
+Tolerances as in test_attention_shapes.py (fp32: 2e-5 on O(1) values; bf16: 3e-2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+from test_attention_shapes import OUTPUTS, Case, _check, _inputs, poisoned_allocations
+
+#: launch: 'tile=N' (N x N tiles, pairs in chunks of 2), 'sm90' (what the launcher picks on an H100).
+PAIR_CASES = [
+    # L = 48 at tile 32; batch 3, ragged padding, the last sequence all padding; GQA 2:1.
+    Case(48, pads=(0, 5, -1), hq=4, hkv=2, launch="tile=32"),
+    # bf16 (bias and its gradient in bf16), half the KV heads active, L = 21 at tile 8.
+    Case(21, pads=(2, 0), hq=4, hkv=2, active="01", dtype="bfloat16", launch="tile=8"),
+    # no KV head active: plain RoPE SDPA, no kernel launched.
+    Case(19, pads=(0, 4), hq=2, hkv=2, active="00", launch="tile=8"),
+    # the sm_90 launch settings (8 x 16 tiles, chunk 16) at L = 42: the last row and key tiles ragged.
+    Case(42, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
+]
+#: ``make test-all`` (marker ``slow``): the sm_90 settings at L = 272 (~90 s on an idle core).
+SLOW_CASES = [Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90")]
+
+
+def _launch(case: Case):
+    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig, pair_launch_config
+
+    if case.launch == "sm90":
+        return pair_launch_config(case.head_dim, getattr(torch, case.dtype), 90)
+    tile = int(case.launch.removeprefix("tile="))
+    return PairLaunchConfig(tile_m=tile, tile_n=tile, pair_chunk=2)
+
+
+def compare_pair(case: Case) -> dict[str, float]:
+    """Max abs error of the triton-pair backend against the reference per output and gradient,
+    under poisoned allocations; plus the reference's largest value ('scale')."""
+    from mdlmpe_ds.attention.reference import reference_attention
+    from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
+
+    q, k, v, A, D, key_valid, active, mlp, grad_out = _inputs(case)
+    common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active, key_valid=key_valid)
+    leaves = (q, k, v, *mlp.parameters())
+
+    def run(fn, **extra) -> list[torch.Tensor]:
+        for t in leaves:
+            t.grad = None
+        out = fn(q, k, v, A, D, mlp.params(), **common, **extra)
+        (out.float() * grad_out).sum().backward()
+        return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in leaves]
+
+    with poisoned_allocations():
+        want = run(reference_attention)
+        got = run(pair_bias_attention, launch=_launch(case))
+    errors = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(OUTPUTS, want, got)}
+    errors["scale"] = max(w.float().abs().max().item() for w in want[:4])
+    return errors
+
+
+def _interpret(cases: list[Case], timeout: int = 900) -> dict[str, dict[str, float]]:
+    """Run ``cases`` through the pair kernels in an interpreter child; errors per case name."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    payload = json.dumps([asdict(c) for c in cases])
+    proc = subprocess.run(
+        [sys.executable, __file__], input=payload, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode:
+        raise AssertionError(f"interpreter child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def pair_results() -> dict[str, dict[str, float]]:
+    return _interpret(PAIR_CASES)
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: c.name)
+def test_pair_bias_matches_reference(pair_results, case):
+    _check(case, pair_results[case.name])
+
+
+@pytest.mark.slow
+def test_pair_bias_matches_reference_at_sm90_length_272():
+    for case in SLOW_CASES:
+        _check(case, _interpret([case], timeout=3600)[case.name])
+
+
+def test_cases_reach_the_ragged_tiles_and_head_sets():
+    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig
+
+    assert all(c.length % _launch(c).tile_m and c.length % _launch(c).tile_n for c in PAIR_CASES[:2])
+    assert PAIR_CASES[3].length % 8 and PAIR_CASES[3].length % 16  # ragged at the sm_90 tiles
+    assert _launch(PAIR_CASES[-1]) == PairLaunchConfig() == _launch(SLOW_CASES[0])
+    assert any(-1 in c.pads for c in PAIR_CASES) and any(c.hq == 2 * c.hkv for c in PAIR_CASES)
+    assert {c.active for c in PAIR_CASES} >= {"11", "01", "00"}
+
+
+def _correction(q, k, A, D, mlp, tau_max=0.25, clip_kappa=1e-4):
+    """E [B, H, L, L] of docs/method.md "The correction form", in fp32 torch (the spec's maths)."""
+    from mdlmpe_ds.pe.phase import mdlmpe_pairs, pair_phase
+
+    delta = pair_phase(A, D, A, D, mlp.params(), tau_max, clip_kappa)  # [B, L, L, NM]
+    alpha, beta = torch.cos(delta) - 1.0, torch.sin(delta)
+    pairs = mdlmpe_pairs(q.shape[-1] // 2)
+    half = q.shape[-1] // 2
+    q1, q2 = q[..., pairs].float(), q[..., pairs + half].float()  # [B, H, L, NM]
+    k1, k2 = k[..., pairs].float(), k[..., pairs + half].float()
+    c = torch.einsum("bhim,bhjm->bhijm", q1, k1) + torch.einsum("bhim,bhjm->bhijm", q2, k2)
+    s = torch.einsum("bhim,bhjm->bhijm", q2, k1) - torch.einsum("bhim,bhjm->bhijm", q1, k2)
+    return (alpha[:, None] * c + beta[:, None] * s).sum(-1)
+
+
+def test_bias_in_bf16_costs_a_bounded_error():
+    """Why the bias is stored in the attention's dtype (bf16 in training): with bf16 q, k, v, the
+    rounding of E * scale to bf16 moves each logit by at most 2^-8 |E scale| (bf16 unit
+    roundoff), which moves the output by at most 2 max|logit change| max|v| (the softmax's
+    l1 sensitivity), and its error on the MDLMPE part of the output (reference minus plain RoPE)
+    stays below 1% (docs/method.md "Precision": an all-bf16 pair path 13%, the fp32 one 0.4%).
+    The bias as the reference's correction also pins the sign convention: in fp32 it reproduces
+    the reference to rounding."""
+    from mdlmpe_ds.attention.common import rope_attention
+    from mdlmpe_ds.attention.reference import reference_attention
+    from mdlmpe_ds.pe.phase import PhaseMLP
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, length, head_dim = 2, 4, 64, 32
+    torch.manual_seed(3)
+    mlp = PhaseMLP(head_dim // 2, 16)
+    with torch.no_grad():
+        mlp.fc2.weight.normal_(0.0, 0.5, generator=gen)
+        mlp.fc2.bias.normal_(0.0, 0.5, generator=gen)
+    q, k, v = (
+        torch.randn(batch, heads, length, head_dim, generator=gen).bfloat16().float() for _ in range(3)
+    )
+    D = torch.rand(batch, length, head_dim // 2, generator=gen) + 0.5
+    A = torch.rand(batch, length, head_dim // 2, generator=gen) * D
+    scale = 1.0 / math.sqrt(head_dim)
+    with torch.no_grad():
+        want = reference_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4)
+        bias = _correction(q, k, A, D, mlp) * scale
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        exact = sdpa(q, k, v, attn_mask=bias, scale=scale)
+        rounded = sdpa(q, k, v, attn_mask=bias.bfloat16().float(), scale=scale)
+        plain = rope_attention(q, k, v)
+    assert (exact - want).abs().max() <= 2e-5  # the bias form is the reference (sign included)
+    logit_change = (bias.bfloat16().float() - bias).abs().max()
+    assert logit_change <= 2**-8 * bias.abs().max()
+    error = (rounded - want).abs().max()
+    assert error <= 2 * logit_change * v.abs().max() + 2e-5
+    part = (want - plain).norm()
+    assert part > 0.05 * want.norm()  # the MDLMPE part is not negligible here (~8%)
+    assert (rounded - want).norm() <= 0.01 * part
+
+
+def test_pair_launch_settings_resolve(monkeypatch):
+    from mdlmpe_ds.attention.triton.launch import pair_launch_config
+    from mdlmpe_ds.attention.triton.pair_backend import resolve_pair_launch
+
+    q = torch.zeros(1, 2, 4, 128, dtype=torch.bfloat16)
+    assert resolve_pair_launch(q) == pair_launch_config(128, torch.bfloat16, 90)
+    with pytest.raises(ValueError, match="d_h=256"):
+        pair_launch_config(256, torch.bfloat16, 90)
+
+
+@pytest.mark.parametrize("mask", ["one_too_many", "head_indices", "float_mask"])
+def test_refuses_a_wrong_head_mask(monkeypatch, mask):
+    """The dispatcher's head-mask check holds for this backend too, before any kernel."""
+    from test_attention_shapes import WRONG_HEAD_MASKS
+
+    from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # passes the availability check; no kernel runs
+    q, k, v, A, D, _, _, mlp, _ = _inputs(Case(6, pads=(0,), hq=4, hkv=2))
+    with pytest.raises(ValueError, match="active_kv"):
+        pair_bias_attention(
+            q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4, active_kv=WRONG_HEAD_MASKS[mask]
+        )
+
+
+def test_run_time_choice_reaches_the_backend(monkeypatch):
+    """``--attention.backend triton-pair`` is a valid run-time choice, never picked by 'auto', and
+    ``mdlmpe_attention`` calls this backend with the run's maths settings."""
+    from mdlmpe_ds.attention import AttentionImpl, choose_backend, mdlmpe_attention
+    from mdlmpe_ds.attention.triton import pair_backend
+    from mdlmpe_ds.pe.config import MDLMPEConfig
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(pair_backend, "pair_bias_attention", lambda *a, **kw: calls.append(kw) or a[0])
+    impl = AttentionImpl.from_dict({"backend": "triton-pair"})
+    assert choose_backend("triton-pair", "cpu") == "triton-pair"
+    assert choose_backend("auto", "cuda") == "triton"  # not the default
+    q, k, v, A, D, _, active, mlp, _ = _inputs(Case(6, pads=(1,), hq=4, hkv=2, active="01"))
+    mdlmpe_attention(q, k, v, A, D, mlp.params(), MDLMPEConfig(tau_max=0.3), impl, active_kv=active)
+    assert len(calls) == 1 and calls[0]["tau_max"] == 0.3 and calls[0]["active_kv"] is active
+
+
+def test_memory_plan_counts_the_bias_and_its_gradient():
+    """E (kept by SDPA) and dE are H_q L^2 per sequence and layer in the activation dtype; layer
+    checkpointing keeps the attention inside its recomputed segment (one layer's E at a time)."""
+    from mdlmpe_ds.attention import AttentionImpl
+    from mdlmpe_ds.memory_plan import attention_transient_bytes, layer_activation_bytes
+    from mdlmpe_ds.models.presets import preset
+    from mdlmpe_ds.models.recompute import Recompute
+
+    impl = AttentionImpl(backend="triton-pair")
+    assert impl.keeps_pair_tensors
+    cfg = preset("llada-8b", position_encoding="mdlmpe", max_seq_len=4096)
+    length, batch = 4096, 4
+    de = attention_transient_bytes(cfg, batch, length, "cuda", impl, p=2)
+    assert de == batch * cfg.num_heads * length**2 * 2  # 4 GiB: dE at micro-batch 4, L = 4096
+    plain = layer_activation_bytes(cfg, 2, batch, length, "cuda", impl)
+    checkpointed = layer_activation_bytes(cfg, 2, batch, length, "cuda", impl, Recompute(layers=True))
+    assert plain["kept"] >= 2 * cfg.num_heads * length  # E per token, every layer
+    assert checkpointed["kept"] == 2 * cfg.hidden_size  # the layer input only
+    assert checkpointed["peak"] >= 2 * 2 * cfg.num_heads * length  # E and dE of the layer in backward
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    todo = [Case(**{**c, "pads": tuple(c["pads"])}) for c in json.loads(sys.stdin.read())]
+    results = {}
+    for c in todo:
+        start = time.perf_counter()
+        results[c.name] = compare_pair(c)
+        results[c.name]["seconds"] = time.perf_counter() - start
+    print(json.dumps(results))
