@@ -156,7 +156,7 @@ HANDLERS = [
     (r"launch/(export|generate|evaluate)\.py", "tool"),
     (r"-m mdlmpe_ds\.(analysis|engine)", "tool"),
     (r"-m mdlmpe_ds\.evaluation\.lm_eval_adapter", "lm_eval"),
-    (r"launch/(mechanism_study|gpu_check|analyze|benchmark)\.py|benchmarks/\w+\.py", "parse"),
+    (r"launch/(mechanism_study|runlength_study|gpu_check|analyze|benchmark)\.py|benchmarks/\w+\.py", "parse"),
     (r"-m mdlmpe_ds\.data\.(assets|corpora)", "parse"),
     (r"tests/unit/benchmark_fixtures\.py", "run"),
     (r"make", "make"),
