@@ -3,6 +3,7 @@ what they say, the decision rule is coded as the README states it, and --toy run
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -156,4 +157,4 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
     assert lr_factor(s.warmup, s) == pytest.approx(1.0)
     assert lr_factor(s.updates, s) == pytest.approx(s.min_lr_ratio)
     values = [lr_factor(u, s) for u in range(s.warmup, s.updates + 1)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
