@@ -133,3 +133,15 @@ def shuffle_context(
         perm = torch.randperm(where.numel(), generator=generator).to(where.device)
         out[row, where] = ids[row, where[perm]]
     return out
+
+
+@contextmanager
+def knockout(model: torch.nn.Module, mode: str, seed: int = 0) -> Iterator[None]:
+    """One model-side knockout around a block of forwards: a layout knockout (``shuffle``,
+    ``constant``; see :func:`layout_knockout`) or ``off`` (:func:`mdlmpe_off`)."""
+    if mode == "off":
+        with mdlmpe_off(model):
+            yield
+    else:
+        with layout_knockout(model, mode, seed=seed):
+            yield

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mdlmpe_ds.evaluation.knockout import KNOCKOUTS, layout_knockout, mdlmpe_off, shuffle_context
+from mdlmpe_ds.evaluation.knockout import KNOCKOUTS, knockout, shuffle_context
 from mdlmpe_ds.evaluation.layout_eval import (
     LayoutEvalSettings,
     WindowScores,
@@ -73,10 +73,7 @@ def evaluate_run(
     out = {"plain": score_layouts(logits, batches, mask_id, settings)}
     encoding = model.config.position_encoding
     for mode in _modes(encoding):
-        if mode == "off":
-            with mdlmpe_off(model):
-                out[mode] = score_layouts(logits, batches, mask_id, settings)
-        elif mode == "context":
+        if mode == "context":
             generator = torch.Generator().manual_seed(settings.seed)
 
             def shuffled(ids, valid, generator=generator):
@@ -84,7 +81,7 @@ def evaluate_run(
 
             out[mode] = score_layouts(shuffled, batches, mask_id, settings)
         else:
-            with layout_knockout(model, mode, seed=settings.seed):
+            with knockout(model, mode, seed=settings.seed):
                 out[mode] = score_layouts(logits, batches, mask_id, settings)
     tmp = cache.with_suffix(".tmp")
     payload = {**wanted, "encoding": encoding, "scores": {k: scores_to_json(v) for k, v in out.items()}}

@@ -21,14 +21,10 @@ phase MLP's output layer zeroed: the model is then exactly its RoPE backbone).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from mdlmpe_ds.attention import AttentionImpl
-from mdlmpe_ds.evaluation.knockout import layout_knockout, mdlmpe_off
 from mdlmpe_ds.experiments.runlength_data import SEP, Geometry
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.seeding import init_stream
@@ -93,14 +89,3 @@ def build_arm(
         model.embed.register_forward_hook(oracle.hook)
         model.add_module("gap_oracle", oracle)  # its table trains with the model
     return model, oracle
-
-
-@contextmanager
-def knockout(model: DiffusionLM, mode: str, seed: int) -> Iterator[None]:
-    """One of KNOCKOUTS around a block of forwards."""
-    if mode == "off":
-        with mdlmpe_off(model):
-            yield
-    else:
-        with layout_knockout(model, mode, seed=seed):
-            yield

@@ -132,14 +132,13 @@ def make_batch(
     if t is None:
         t = 0.05 + 0.95 * torch.rand(rows, generator=generator)
     is_run = clean != SEP
+    segment = _run_index(clean)  # [B, L]
     if masking == "runs":
-        segment = _run_index(clean)  # [B, L]
         hide = torch.rand(rows, geometry.length // 2 + 2, generator=generator) < t[:, None]  # per segment
         masked = hide.gather(1, segment) & is_run
         scored = masked & complete
     else:
         masked = (torch.rand(rows, geometry.length, generator=generator) < t[:, None]) & is_run
-        segment = _run_index(clean)
         visible_run = (is_run & ~masked).long()
         seen = torch.zeros(rows, geometry.length + 2, dtype=torch.long).scatter_add_(1, segment, visible_run)
         scored = masked & complete & (seen.gather(1, segment) > 0)
