@@ -28,9 +28,7 @@ from mdlmpe_ds.config import RunConfig
 
 # The process-group basics need no DeepSpeed and live in distributed.py; the names stay reachable
 # here for the callers that know them as engine.rank() etc.
-from mdlmpe_ds.distributed import barrier, exit_after_teardown, on_cpu, rank, world_size
-
-__all__ = ["barrier", "exit_after_teardown", "on_cpu", "rank", "world_size"]
+from mdlmpe_ds.distributed import barrier, exit_after_teardown, on_cpu, rank, world_size  # noqa: F401
 
 
 def _deepspeed():

@@ -24,7 +24,10 @@ LEVELS: dict[str, int] = {
     "analysis": 82,  # diagnostics of any model evaluation's loader reads (exports, runs, hub ids)
     "hub": 80,  # export (the hub's name resolution is a bottom utility: hub.resolve)
     "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
+    "callbacks": 76,  # what the loop does besides training (head schedule, statistics, LoRA, stops, faults)
     "trainer": 72,  # the loop
+    "checkpointer": 68,  # the save and resume protocol (staging, fsync, manifest, swap, verify, prune)
+    "callback": 66,  # the hook points of the loop (the base class the callbacks implement)
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
     "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
     "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
@@ -222,6 +225,13 @@ def test_models_import_no_process_group_code():
     (head_chunks.py) and passed in."""
     banned = ("torch.distributed", "mdlmpe_ds.collectives", "mdlmpe_ds.distributed", "mdlmpe_ds.engine")
     assert _offending("models", banned) == []
+
+
+def test_the_trainer_imports_neither_lora_nor_position_encodings():
+    """LoRA's checkpoint policy and MDLMPE's head schedule and statistics are callbacks (callbacks.py),
+    handed to the loop by the run."""
+    banned = ("mdlmpe_ds.lora", "mdlmpe_ds.lora_base", "mdlmpe_ds.lora_spec", "mdlmpe_ds.pe")
+    assert _offending("trainer", banned) == []
 
 
 def test_models_read_no_environment_variable():
