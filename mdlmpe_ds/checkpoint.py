@@ -1,4 +1,8 @@
-"""Atomic, verified, resumable checkpoints: DeepSpeed's sharded state plus our per-rank trainer state.
+"""The checkpoint format: layout, manifest, verification, metadata, and finding the one to resume.
+
+The protocol that writes and reads a checkpoint (staging, fsync, COMPLETE, swap, prune; DeepSpeed's
+load and the RNG) is checkpointer.py; this module is what both it and the readers (export,
+evaluation, ``--resume`` resolution, startup repair) share about the files.
 
 Layout::
 
@@ -23,21 +27,16 @@ keep-last-k deletes older checkpoints only after the new one is complete, and ne
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import random
 import re
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mdlmpe_ds.models.config import drop_stored_runtime_keys
@@ -53,7 +52,7 @@ DS_UNIVERSAL_TAG = "ds_universal"  # DeepSpeed's universal copy (python -m mdlmp
 # config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
 # damage); checkpoints without the key were written before manifests existed.
 FORMAT = 2
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -72,8 +71,8 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file()
 
 
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -83,7 +82,7 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = STEP_DIR.match(child.name)
         if match and child.is_dir() and is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
@@ -136,7 +135,7 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
         )
     if path.is_file() and path.name == LATEST:
         path = path.parent / path.read_text().strip()
-    elif path.is_dir() and not _STEP_DIR.match(path.name):
+    elif path.is_dir() and not STEP_DIR.match(path.name):
         newest = newest_verified(path.parent if path.name == "checkpoints" else path, log)
         if newest is None:
             raise FileNotFoundError(f"{path}: no complete checkpoint found")
@@ -183,20 +182,7 @@ def existing_run(output_dir: str | Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------- writing
-def fsync_tree(path: Path) -> None:
-    """Flush every file below ``path`` (and the directories) to stable storage. Called by every rank
-    on the files it can see after writing its own, so COMPLETE never precedes data in the page cache."""
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -265,55 +251,6 @@ def _format_of(path: Path) -> int:
         return 0
 
 
-def finalize(staging: Path, final: Path) -> None:
-    """Rank 0, after every rank's files are written and fsync'd (barrier): manifest, COMPLETE, then
-    the atomic swap of ``staging`` into ``final`` and `latest`."""
-    _fsync_write(staging / MANIFEST, json.dumps({"files": manifest_of(staging)}, indent=1))
-    _fsync_write(staging / COMPLETE, f"{final.name}\n")
-    replaced = final.with_name(final.name + REPLACED)
-    if final.exists():
-        if replaced.exists():
-            shutil.rmtree(replaced)
-        os.rename(final, replaced)
-    os.rename(staging, final)
-    _fsync_dir(final.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
-    _fsync_write(final.parent / LATEST, f"{final.name}\n")
-
-
-@contextlib.contextmanager
-def disk_full_named(final: Path, last_good: Path | None) -> Iterator[None]:
-    """Turn a full disk during a save into one error that says so and names the checkpoint: torch's
-    writer reports it as "PytorchStreamWriter failed writing file ...: file write failed", without
-    the errno, so that case is decided by the free space left."""
-    try:
-        yield
-    except (OSError, RuntimeError) as err:
-        if not _out_of_space(err, final.parent):
-            raise
-        raise OSError(
-            errno.ENOSPC,
-            f"No space left on device while saving checkpoint {final} "
-            f"({shutil.disk_usage(final.parent).free / 2**20:.0f} MiB free there): the partial save is "
-            f"removed at the next start; free space or move --output_dir, then --resume auto continues "
-            f"from {last_good or 'the start'}",
-        ) from err
-
-
-def _out_of_space(err: BaseException, where: Path) -> bool:
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if "No space left" in str(err):
-        return True
-    if "file write failed" in str(err) or "inline_container" in str(err):
-        try:
-            return shutil.disk_usage(where).free < 64 * 2**20
-        except OSError:
-            return False
-    return False
-
-
 def recover_interrupted(output_dir: str | Path) -> list[str]:
     """Rank 0, before resolving a resume or saving: finish or discard what a killed save left.
 
@@ -354,67 +291,29 @@ def supersede_newer(output_dir: str | Path, resumed: Path) -> list[Path]:
     belong to the abandoned continuation. They move to ``checkpoints/superseded/`` (kept for the
     user, never picked by ``--resume auto``), so a crash of the new continuation cannot resume into
     the old one. Returns their new paths."""
-    step = _step_of(resumed)
+    step = step_of(resumed)
     root = checkpoints_root(output_dir)
     moved = []
     for child in existing_run(output_dir):
-        match = _STEP_DIR.match(child.name)
+        match = STEP_DIR.match(child.name)
         if match and int(match.group(1)) > step:
             dest = root / SUPERSEDED / f"{child.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             dest.parent.mkdir(exist_ok=True)
             os.rename(child, dest)
             moved.append(dest)
     if moved:
-        _fsync_write(root / LATEST, f"{resumed.name}\n")
+        fsync_write(root / LATEST, f"{resumed.name}\n")
     return moved
 
 
-def _fsync_write(path: Path, text: str) -> None:
+def fsync_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def numerics_state() -> dict[str, Any]:
-    """What, besides the saved state, decides the floating-point results of the next updates.
-
-    On the CPU the intra-op thread count does: a reduction (matmul, sum, norm) split over n threads
-    adds its partial sums in an n-dependent order. With OMP_NUM_THREADS=2 instead of 1 the fp32 losses
-    of the test run moved by ~1e-8 relative from update 4 on (deterministic for a fixed n), while two
-    runs with the same count agree bit for bit, straight or resumed. The torch build changes kernels.
-    """
-    return {"intra_op_threads": torch.get_num_threads(), "torch": torch.__version__}
-
-
-def numerics_differences(saved: dict[str, Any] | None) -> list[str]:
-    """Why a resumed run may not repeat the straight run bit for bit (empty: it should)."""
-    if not saved:
-        return []
-    now = numerics_state()
-    return [
-        f"{key} {saved.get(key)!r} at save, {value!r} now"
-        for key, value in now.items()
-        if saved.get(key) != value
-    ]
+    fsync_dir(path.parent)
 
 
 @dataclass
@@ -516,22 +415,4 @@ def write_meta(
         "tokenizer": tokenizer,
         "data_fingerprint": data_fingerprint,
     }
-    _fsync_write(path / "config.json", json.dumps(meta, indent=2, default=str))
-
-
-def prune(output_dir: str | Path, keep_last: int, keep: Path) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last` (never ``keep``, the one just
-    written); directories without COMPLETE older than the newest complete one are debris of
-    interrupted saves from before atomic saving, and go too. Returns what was deleted."""
-    complete = complete_checkpoints(output_dir)
-    doomed = [p for p in (complete[:-keep_last] if keep_last > 0 else []) if p != keep]
-    root = checkpoints_root(output_dir)
-    if complete:
-        newest_step = _step_of(complete[-1])
-        for child in root.iterdir():
-            match = _STEP_DIR.match(child.name)
-            if match and not is_complete(child) and int(match.group(1)) < newest_step:
-                doomed.append(child)
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=False)
-    return doomed
+    fsync_write(path / "config.json", json.dumps(meta, indent=2, default=str))

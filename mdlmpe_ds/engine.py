@@ -1,5 +1,6 @@
-"""Everything that touches DeepSpeed: config checks, process group, ZeRO-3 construction order,
-`deepspeed.initialize`, gather helpers. The only library module that imports deepspeed.
+"""Everything that touches DeepSpeed: config checks, the DeepSpeed process-group session, ZeRO-3
+construction order, `deepspeed.initialize`, gather helpers. The only library module that imports
+deepspeed; rank, world size and barriers are plain torch (distributed.py).
 
 Construction order (why this module exists): the process group first, then the model is built
 inside `deepspeed.zero.Init`, so every parameter -- backbone and MDLMPE alike -- is partitioned the
@@ -15,16 +16,19 @@ import json
 import math
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mdlmpe_ds.config import RunConfig
+
+# The process-group basics need no DeepSpeed and live in distributed.py; the names stay reachable
+# here for the callers that know them as engine.rank() etc.
+from mdlmpe_ds.distributed import barrier, exit_after_teardown, on_cpu, rank, world_size  # noqa: F401
 
 
 def _deepspeed():
@@ -38,10 +42,6 @@ def _deepspeed():
     # used by inference all-reduce, so mark it unavailable.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
-
-
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()
 
 
 # ---------------------------------------------------------------------------- process group
@@ -75,35 +75,6 @@ def distributed_session(timeout_min: float, setup_timeout_min: float | None = No
         collectives.reset()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def exit_after_teardown(code: int) -> NoReturn:
-    """End a distributed worker process with ``code`` once its process group is torn down.
-
-    gloo can still abort the interpreter's final C++ teardown ("terminate called without an active
-    exception", SIGABRT) after a run that succeeded and destroyed its process group; torchrun then
-    reports the whole job as failed. Flushing and leaving through ``os._exit`` skips those static
-    destructors, so the exit code is the run's own. Call it only after every checkpoint, event file
-    and log has been written and closed.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 # ---------------------------------------------------------------------------- ds config
@@ -408,13 +379,8 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     Collective: every rank must call it. Peak memory on rank 0 is the model size in the parameter
     dtype (plus one gathered tensor), never the optimizer state.
     """
-    deepspeed = _deepspeed()
     module = engine.module
-    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if out is not None:
-                out[name] = param.detach().clone().cpu()
+    out = gathered_tensors(module, [name for name, _ in module.named_parameters()])
     for name, buf in module.named_buffers():
         if out is not None and buf is not None and not name.endswith("inv_freq"):
             out[name] = buf.detach().clone().cpu()

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.head_chunks import DEFAULT_CHUNK, configured_chunk
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.recompute import Recompute
-from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, configured_chunk
 
 GIB = 2**30
 # CUDA context, cuBLAS/NCCL workspaces and caching-allocator fragmentation, typical on an H100.

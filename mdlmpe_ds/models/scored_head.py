@@ -13,16 +13,16 @@ ZeRO-3: the head runs as ``lm_head(...)`` (its module forward) for every chunk a
 chunk's backward recompute, so DeepSpeed's module hooks gather the partitioned weight each time, as
 they do for any module called several times in one forward. Each gather is a collective, so every
 rank must call the head the same number of times although its own scored count M differs: the
-trainers pass ``num_chunks = group_chunk_count(...)`` (ceil(max over ranks of M / chunk), one
-small all-reduce per micro-batch) and a rank with fewer rows runs its last chunks empty. (Without
+trainers pass ``num_chunks`` (ceil(max over ranks of M / chunk), one small all-reduce per
+micro-batch, computed above the model: ``head_chunks.group_chunk_count``) and a rank with fewer
+rows runs its last chunks empty. The model knows no process group and reads no environment: the
+chunk and the count are arguments. (Without
 it the ranks' all-gathers mismatch: gloo aborts with "Received data size doesn't match".) The head
 is called on at least one (possibly empty) chunk, so every parameter gets a gradient even when a
 micro-batch has no scored position.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,19 +34,6 @@ from mdlmpe_ds.diffusion.losses import ScoredCE  # the losses' input type, produ
 # Rows of the [rows, V] logits block alive at once: 1024 x 126k x (2 B bf16 logits + 3 x 4 B fp32
 # copy, log-softmax, gradient) ~ 1.7 GiB at the peak of one chunk's backward on LLaDA-8B (memory_plan).
 DEFAULT_CHUNK = 1024
-# Rows per chunk for training forwards that do not pass one (the trainers): smaller trades speed for
-# memory; tests/dist set it small to run several chunks through ZeRO-3's hooks.
-CHUNK_ENV = "MDLMPE_DS_HEAD_CHUNK"
-
-
-def configured_chunk() -> int:
-    """``$MDLMPE_DS_HEAD_CHUNK`` rows when set, else ``DEFAULT_CHUNK``."""
-    raw = os.environ.get(CHUNK_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CHUNK
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{CHUNK_ENV}={raw!r}: expected a positive number of rows")
-    return int(raw)
 
 
 def _head_ce(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -58,16 +45,6 @@ def _head_ce(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> to
 def chunk_count(scored: int, chunk: int) -> int:
     """Chunks of ``chunk`` rows that cover ``scored`` rows; at least 1."""
     return max(1, -(-scored // chunk))
-
-
-def group_chunk_count(scored: torch.Tensor, chunk: int | None = None) -> int:
-    """The head's chunk count for this micro-batch on every rank: ``chunk_count`` of the largest
-    scored count over the process group (``scored`` [B, L] bool, this rank's loss positions). One
-    host all-reduce of a scalar (collectives.py: not on the NCCL default group)."""
-    from mdlmpe_ds import collectives
-
-    (largest,) = collectives.all_reduce_max([float(scored.sum())])
-    return chunk_count(int(largest), chunk or configured_chunk())
 
 
 def scored_cross_entropy(
@@ -114,12 +91,9 @@ def scored_source_columns(cols: torch.Tensor, shift_logits: bool) -> torch.Tenso
 
 
 __all__ = [
-    "CHUNK_ENV",
     "DEFAULT_CHUNK",
     "ScoredCE",
     "chunk_count",
-    "configured_chunk",
-    "group_chunk_count",
     "scored_cross_entropy",
     "scored_source_columns",
 ]

@@ -44,8 +44,8 @@ from mdlmpe_ds.models.layers import (
 )
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import (
+    DEFAULT_CHUNK,
     ScoredCE,
-    configured_chunk,
     scored_cross_entropy,
     scored_source_columns,
 )
@@ -337,8 +337,8 @@ class DiffusionLM(nn.Module):
         Training path: with ``scored`` [B, L] bool and ``targets`` [B, L] long, no logits are
         returned but ``ScoredCE``: the fp32 cross-entropy of the aligned logit against the target at
         each scored position, the head run on ``head_chunk`` rows at a time (default
-        ``scored_head.configured_chunk()``, models/scored_head.py); under ZeRO-3 pass ``head_chunks``
-        (``scored_head.group_chunk_count``), the chunk count every rank must run alike,
+        ``scored_head.DEFAULT_CHUNK``; a training run passes its own, head_chunks.py); under ZeRO-3
+        pass ``head_chunks`` (``head_chunks.group_chunk_count``), the chunk count every rank must run alike,
         so no [B, L, V] tensor exists. Same values as CE of the full logits at those positions.
         """
         if input_ids.dim() != 2:
@@ -385,7 +385,7 @@ class DiffusionLM(nn.Module):
                 self.lm_head,
                 self.norm(hidden),
                 targets[rows, cols],
-                head_chunk or configured_chunk(),
+                head_chunk or DEFAULT_CHUNK,
                 head_recompute,
                 head_chunks,
             )

@@ -175,6 +175,7 @@ def run_pretrain(
 ) -> dict:
     """Build the packed data, the model under ZeRO-3 and the engine; pretrain. Call inside
     `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
+    from mdlmpe_ds.callbacks import callbacks_for
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.fingerprint import packed_fingerprint
     from mdlmpe_ds.data.pretrain import packed_collate
@@ -221,8 +222,9 @@ def run_pretrain(
     )
     task = PretrainTask(t, model_config, dataset, sampler, packed_collate, validation=validation)
     tokenizer_name = recorded_tokenizer(run, tok_dir)
+    hooks = callbacks_for(run, model_config, faults)
     trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, faults=faults
+        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, callbacks=hooks
     )
     summary = trainer.train()
     summary.update(

@@ -151,6 +151,7 @@ def run_sft(
     """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
     (except dry runs, which plan from the model's config alone on the meta device and need no
     process group). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
+    from mdlmpe_ds.callbacks import callbacks_for
     from mdlmpe_ds.hub.resolve import recorded_tokenizer
     from mdlmpe_ds.tasks.sft import SFTTask
     from mdlmpe_ds.trainer import Trainer
@@ -170,8 +171,10 @@ def run_sft(
     )
     task = SFTTask(t, model_config, inputs.dataset, inputs.sampler, inputs.collator)
     tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
+    hooks = callbacks_for(run, model_config, faults)
+    fingerprint = inputs.fingerprint
     trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, inputs.fingerprint, faults=faults
+        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, callbacks=hooks
     )
     summary = trainer.train()
     summary.update({"total_updates": total, "tokenizer": inputs.tokenizer_dir, "output_dir": t.output_dir})

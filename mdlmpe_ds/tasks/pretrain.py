@@ -23,7 +23,7 @@ from mdlmpe_ds.config import TrainConfig
 from mdlmpe_ds.diffusion.elbo import diffusion_elbo, scored_positions
 from mdlmpe_ds.diffusion.layouts import corrupt_layout
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss
-from mdlmpe_ds.models.scored_head import group_chunk_count
+from mdlmpe_ds.head_chunks import configured_chunk, group_chunk_count
 from mdlmpe_ds.tasks import Micro, engine_device
 
 
@@ -93,8 +93,14 @@ class PretrainTask:
         noisy, masked, p = self.corrupt(batch)
         ids, valid = batch["input_ids"].to(device), batch["valid"].to(device)
         masked, p = masked.to(device), p.to(device)
+        chunk = configured_chunk()  # rows per head chunk: the run's setting, read here, not in the model
         scored = engine(
-            noisy.to(device), valid=valid, scored=masked, targets=ids, head_chunks=group_chunk_count(masked)
+            noisy.to(device),
+            valid=valid,
+            scored=masked,
+            targets=ids,
+            head_chunk=chunk,
+            head_chunks=group_chunk_count(masked, chunk),
         )  # ScoredCE [M]: the head in chunks, as many on every rank
         if self.loss_family == "llada":
             loss, stats = llada_pretrain_loss(scored, ids, masked, p)

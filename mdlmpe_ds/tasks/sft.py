@@ -16,7 +16,7 @@ from mdlmpe_ds.config import TrainConfig
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_sft_loss
-from mdlmpe_ds.models.scored_head import group_chunk_count
+from mdlmpe_ds.head_chunks import configured_chunk, group_chunk_count
 from mdlmpe_ds.tasks import Micro, engine_device
 
 
@@ -75,10 +75,11 @@ class SFTTask:
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         c = self.corrupt(batch, micro_step, rank)
         # fp32 CE at the masked positions only, the LM head run in chunks (as many on every rank):
-        # no [B, L, V] logits
+        # no [B, L, V] logits; rows per chunk: the run's setting (head_chunks.py), not the model's
+        chunk = configured_chunk()
         scored = engine(
             c.ids, valid=c.valid, positions=batch.get("positions"), scored=c.masked,
-            targets=batch["input_ids"], head_chunks=group_chunk_count(c.masked),
+            targets=batch["input_ids"], head_chunk=chunk, head_chunks=group_chunk_count(c.masked, chunk),
         )  # fmt: skip
         # scored: ScoredCE, ce [M]
         if self.loss_family == "llada":

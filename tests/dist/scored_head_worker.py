@@ -16,9 +16,9 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
 from mdlmpe_ds.diffusion.losses import llada_sft_loss
+from mdlmpe_ds.head_chunks import group_chunk_count
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.recompute import Recompute
-from mdlmpe_ds.models.scored_head import group_chunk_count
 from mdlmpe_ds.models.transformer import DiffusionLM
 
 CHUNK = 5
@@ -60,7 +60,11 @@ def main() -> None:
                 out_ = engine(noisy)
             else:
                 out_ = engine(
-                    noisy, scored=masked, targets=ids, head_chunk=CHUNK, head_chunks=group_chunk_count(masked, CHUNK)
+                    noisy,
+                    scored=masked,
+                    targets=ids,
+                    head_chunk=CHUNK,
+                    head_chunks=group_chunk_count(masked, CHUNK),
                 )
             loss, _ = llada_sft_loss(out_, ids, masked, p_mask, torch.full((2,), 24))
             engine.backward(loss)

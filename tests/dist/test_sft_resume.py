@@ -123,7 +123,7 @@ def test_bf16_straight_equals_interrupted(straight, data, tmp_path):
 
 def test_numerics_differences_are_named():
     """A checkpoint written with another intra-op thread count is flagged on resume (CPU)."""
-    from mdlmpe_ds.checkpoint import numerics_differences, numerics_state
+    from mdlmpe_ds.checkpointer import numerics_differences, numerics_state
 
     assert numerics_differences(numerics_state()) == []
     assert numerics_differences(None) == []  # checkpoints from before the field

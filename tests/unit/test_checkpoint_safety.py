@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds import checkpointer
 from mdlmpe_ds.data.fingerprint import Fingerprint
 from mdlmpe_ds.tracking import truncate_history
 
@@ -28,7 +29,7 @@ def save(out: Path, step: int, payload: bytes = b"x" * 3000, shards: int = 2) ->
         (staging / "ds" / f"rank{r}_optim_states.pt").write_bytes(payload + bytes([step, r]))
     ckpt.write_meta(staging, step, 2, {}, {"hidden_size": 8}, "tok", "fp-a")
     final = ckpt.step_dir(out, step)
-    ckpt.finalize(staging, final)
+    checkpointer.finalize(staging, final)
     return final
 
 
@@ -104,9 +105,9 @@ def test_resuming_an_older_step_sets_newer_ones_aside(tmp_path):
 
 def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
     two, four = save(tmp_path, 2), save(tmp_path, 4)
-    assert ckpt.prune(tmp_path, keep_last=1, keep=two) == []  # the newer one is the one kept by count
+    assert checkpointer.prune(tmp_path, keep_last=1, keep=two) == []  # the newer one is the one kept by count
     assert two.is_dir() and four.is_dir()
-    assert ckpt.prune(tmp_path, keep_last=1, keep=four) == [two]
+    assert checkpointer.prune(tmp_path, keep_last=1, keep=four) == [two]
 
 
 def test_fresh_run_into_a_run_directory_is_refused(tmp_path):

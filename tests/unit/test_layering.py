@@ -24,7 +24,10 @@ LEVELS: dict[str, int] = {
     "analysis": 82,  # diagnostics of any model evaluation's loader reads (exports, runs, hub ids)
     "hub": 80,  # export (the hub's name resolution is a bottom utility: hub.resolve)
     "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
+    "callbacks": 76,  # what the loop does besides training (head schedule, statistics, LoRA, stops, faults)
     "trainer": 72,  # the loop
+    "checkpointer": 68,  # the save and resume protocol (staging, fsync, manifest, swap, verify, prune)
+    "callback": 66,  # the hook points of the loop (the base class the callbacks implement)
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
     "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
     "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
@@ -35,6 +38,7 @@ LEVELS: dict[str, int] = {
     "engine": 60,
     "checkpoint": 60,
     "memory_plan": 58,
+    "head_chunks": 56,  # the LM head's chunking of a run (rows from the environment, count by all-reduce)
     "weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
     "resume_changes": 57,  # what a resume may change (over config's key names)
     "config": 55,
@@ -48,6 +52,7 @@ LEVELS: dict[str, int] = {
     "recipes": 5,
     "seeding": 5,
     "collectives": 5,
+    "distributed": 5,  # rank, world size, barrier: torch.distributed only
     "stop_request": 5,  # the stop flag, polled by data setup
     "run_lock": 5,
 }
@@ -179,3 +184,65 @@ def test_production_code_reads_no_test_hooks_from_the_environment():
     for path in (REPO / "mdlmpe_ds").rglob("*.py"):
         text = path.read_text()
         assert "MDLMPE_DS_FAULT" not in text and "MDLMPE_DS_PROBE" not in text, path
+
+
+# ---------------------------------------------------------------------------- rules by name
+def _imports_of(unit_path: str) -> dict[str, set[str]]:
+    """file -> the ``mdlmpe_ds`` modules and the outside top-level modules it imports, for every
+    file of a unit (a package folder or one module)."""
+    root = REPO / "mdlmpe_ds" / unit_path
+    files = sorted(root.rglob("*.py")) if root.is_dir() else [root.with_suffix(".py")]
+    out = {}
+    for path in files:
+        names = set(imported_modules(path))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+        out[str(path.relative_to(REPO))] = names
+    return out
+
+
+def _offending(unit_path: str, banned: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{file}: {name}"
+        for file, names in _imports_of(unit_path).items()
+        for name in names
+        if any(name == b or name.startswith(b + ".") for b in banned)
+    )
+
+
+def test_the_engine_imports_no_position_encoding():
+    """The engine registers ZeRO-3 external parameters from what the model declares
+    (``zero3_external_parameters``), never by knowing MDLMPE's classes."""
+    assert _offending("engine", ("mdlmpe_ds.pe",)) == []
+
+
+def test_models_import_no_process_group_code():
+    """Model code runs on one device: the chunk count the ranks agree on is computed above it
+    (head_chunks.py) and passed in."""
+    banned = ("torch.distributed", "mdlmpe_ds.collectives", "mdlmpe_ds.distributed", "mdlmpe_ds.engine")
+    assert _offending("models", banned) == []
+
+
+def test_the_trainer_imports_neither_lora_nor_position_encodings():
+    """LoRA's checkpoint policy and MDLMPE's head schedule and statistics are callbacks (callbacks.py),
+    handed to the loop by the run."""
+    banned = ("mdlmpe_ds.lora", "mdlmpe_ds.lora_base", "mdlmpe_ds.lora_spec", "mdlmpe_ds.pe")
+    assert _offending("trainer", banned) == []
+
+
+def test_models_read_no_environment_variable():
+    """A model's behaviour is its config and its arguments: settings from the environment are read
+    by the run (e.g. head_chunks.configured_chunk) and passed in."""
+    found = []
+    for path in sorted((REPO / "mdlmpe_ds" / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if name in ("environ", "getenv", "putenv"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                found += [f"{path.relative_to(REPO)}:{node.lineno}: os.{a.name}" for a in node.names]
+    assert found == []

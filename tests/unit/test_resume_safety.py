@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import run_lock, stop_request
+from mdlmpe_ds import checkpointer, run_lock, stop_request
 from mdlmpe_ds.config import build_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def save(out: Path, step: int) -> Path:
     (staging / "ds" / "rank0_optim_states.pt").write_bytes(b"x" * 3000 + bytes([step]))
     ckpt.write_meta(staging, step, 2, {}, {"hidden_size": 8}, "tok", "fp-a")
     final = ckpt.step_dir(out, step)
-    ckpt.finalize(staging, final)
+    checkpointer.finalize(staging, final)
     return final
 
 
@@ -151,7 +151,7 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", no_space)
-    with pytest.raises(OSError) as err, ckpt.disk_full_named(final, ckpt.step_dir(tmp_path, 4)):
+    with pytest.raises(OSError) as err, checkpointer.disk_full_named(final, ckpt.step_dir(tmp_path, 4)):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
     text = str(err.value)
     assert err.value.errno == errno.ENOSPC
@@ -167,11 +167,11 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: Usage())
     with (
         pytest.raises(OSError, match="No space left on device while saving checkpoint"),
-        ckpt.disk_full_named(final, None),
+        checkpointer.disk_full_named(final, None),
     ):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
     Usage.free = 10 * 2**30  # plenty of space: another failure, passed on as it is
-    with pytest.raises(RuntimeError, match="file write failed"), ckpt.disk_full_named(final, None):
+    with pytest.raises(RuntimeError, match="file write failed"), checkpointer.disk_full_named(final, None):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
 
 

@@ -474,7 +474,7 @@ def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypat
     import io
 
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine
+    from mdlmpe_ds import checkpointer, engine
 
     tok_dir = tmp_path / "tok"
     tok = _byte_tokenizer(tok_dir)
@@ -483,7 +483,7 @@ def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypat
         path.mkdir(parents=True)
         ckpt.write_meta(path, step, 1, {}, llada.config.to_dict(), str(tok_dir))
         if complete:
-            ckpt.finalize(path.rename(path.with_name(path.name + ckpt.STAGING)), path)
+            checkpointer.finalize(path.rename(path.with_name(path.name + ckpt.STAGING)), path)
     seen = []
 
     def fake_reader(step_dir):

@@ -217,7 +217,7 @@ def test_training_micro_step_allocates_no_full_logits(family, block_size):
 
 def test_head_chunk_from_the_environment(monkeypatch):
     """Trainers pass no chunk: $MDLMPE_DS_HEAD_CHUNK (else DEFAULT_CHUNK) bounds the vocab-wide rows."""
-    from mdlmpe_ds.models.scored_head import CHUNK_ENV, DEFAULT_CHUNK, configured_chunk
+    from mdlmpe_ds.head_chunks import CHUNK_ENV, DEFAULT_CHUNK, configured_chunk
 
     assert configured_chunk() == DEFAULT_CHUNK
     monkeypatch.setenv(CHUNK_ENV, "3")
@@ -226,7 +226,9 @@ def test_head_chunk_from_the_environment(monkeypatch):
     ids = batch["input_ids"]
     watch = _VocabWideOutputs(model.config.vocab_size, model.config.hidden_size)
     with watch:
-        out = model(ids, valid=batch["valid"], scored=batch["maskable"], targets=ids)
+        out = model(
+            ids, valid=batch["valid"], scored=batch["maskable"], targets=ids, head_chunk=configured_chunk()
+        )
         out.ce.sum().backward()
     assert out.ce.numel() > 3 and watch.max_rows == 3
     monkeypatch.setenv(CHUNK_ENV, "0")

@@ -317,8 +317,8 @@ def test_engine_registers_the_shared_weights_with_every_reader(monkeypatch):
 def test_tools_read_the_shared_mlp():
     """The training stats, the per-checkpoint diagnostics and the memory plan handle it."""
     from mdlmpe_ds.analysis.diagnostics import phase_weight_norms, state_diagnostics
+    from mdlmpe_ds.callbacks import mdlmpe_stats
     from mdlmpe_ds.memory_plan import measure_layer
-    from mdlmpe_ds.trainer import mdlmpe_stats
 
     model = _shared("llada")
     stats = mdlmpe_stats(model)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds import checkpointer
 from mdlmpe_ds.config import RunConfig, build_config
 from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
@@ -154,12 +155,12 @@ def test_resume_auto_ignores_incomplete(tmp_path):
         d = ckpt.step_dir(tmp_path, step)
         d.mkdir(parents=True)
         if complete:
-            ckpt.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
+            checkpointer.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
     (ckpt.checkpoints_root(tmp_path) / "latest").write_text("step_000006\n")  # stale hint
     assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
     with pytest.raises(ValueError, match="no COMPLETE marker"):
         ckpt.resolve_resume(str(ckpt.step_dir(tmp_path, 6)), tmp_path)
-    removed = ckpt.prune(tmp_path, keep_last=1, keep=ckpt.step_dir(tmp_path, 4))
+    removed = checkpointer.prune(tmp_path, keep_last=1, keep=ckpt.step_dir(tmp_path, 4))
     assert sorted(p.name for p in removed) == ["step_000002"]  # incomplete step 6 is newer: kept
     assert ckpt.resolve_resume("auto", tmp_path).name == "step_000004"
 
@@ -273,7 +274,7 @@ def test_checkpoint_from_another_model(fixture_data, tmp_path):
     d.mkdir(parents=True)
     other = {"family": "dream", "hidden_size": 999}
     ckpt.write_meta(d, 4, 2, {}, other, "")
-    ckpt.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
+    checkpointer.finalize(d.rename(d.with_name(d.name + ckpt.STAGING)), d)
     run = build_config(None, ["--tokenizer", str(tok), "--dataset", str(chat), "--output_dir", str(out)])
     with pytest.raises(ValueError, match=r"(?s)from another model.*hidden_size: checkpoint 999"):
         run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume="auto", dry_run=True)

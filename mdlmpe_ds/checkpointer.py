@@ -1,0 +1,304 @@
+"""The save and resume protocol of a training run, on every rank: one ``save``, one ``resume``.
+
+A save (``Checkpointer.save``), in order:
+  1. rank 0 creates ``step_N.saving`` (debris of an earlier attempt at this step is removed);
+     barrier;
+  2. every rank writes its part: DeepSpeed's shards, its trainer state (counters, sampler position,
+     RNG, numerics); rank 0 also the config (``checkpoint.write_meta``) and the callbacks' files
+     (LoRA's adapter list); barrier, so no ``.tmp`` is left when anyone flushes;
+  3. every rank fsyncs what it can see of the staging directory; barrier;
+  4. rank 0 commits (``finalize``: manifest, COMPLETE, the atomic swap into ``step_N`` and
+     ``latest``), then prunes beyond keep-last (only now that the new one is complete); barrier.
+A full disk anywhere in it is reported as one error naming the checkpoint (``disk_full_named``).
+
+A resume (``Checkpointer.resume``): the checkpoint's model must be this run's; the callbacks may
+refuse it (LoRA: every adapter and MDLMPE key there); DeepSpeed loads its shards (its universal
+copy on another world size); this rank's trainer state is read and, on the same world size, the
+RNG states are restored. The file format shared with the readers is checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds import distributed
+from mdlmpe_ds.callback import Callback
+from mdlmpe_ds.checkpoint import COMPLETE, LATEST, MANIFEST, REPLACED, fsync_dir, fsync_write
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What every checkpoint's config.json records about the run besides its step and world size:
+    ``run`` and ``model`` have ``to_dict()`` (read at each save, as the run is then)."""
+
+    run: Any
+    model: Any
+    tokenizer: str
+    data_fingerprint: str | None = None
+
+
+class Checkpointer:
+    """Writes and reads the checkpoints of one run under ``output_dir/checkpoints``; ``last_good``
+    is the newest complete one this run wrote or resumed from. ``say`` prints on rank 0 (the
+    tracker's console, set once the tracker exists)."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        keep_last: int,
+        meta: RunMeta,
+        hooks: Sequence[Callback] = (),
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.output_dir, self.keep_last, self.meta = output_dir, keep_last, meta
+        self.hooks, self.say = list(hooks), say
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.last_good: Path | None = None
+
+    def _kwargs(self, which: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for hook in self.hooks:
+            out.update(getattr(hook, which)())
+        return out
+
+    def _write_meta(self, staging: Path, step: int) -> None:
+        m = self.meta
+        run, model = m.run.to_dict(), m.model.to_dict()
+        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint)
+
+    # ---------------------------------------------------------------- save
+    def save(self, engine, step: int, trainer_state: Callable[[], dict[str, Any]]) -> Path:
+        """Checkpoint ``step`` (module docstring); ``trainer_state()`` is this rank's counters and
+        sampler position, read after DeepSpeed's shards are written. Collective."""
+        with disk_full_named(ckpt.step_dir(self.output_dir, step), self.last_good):
+            return self._save(engine, step, trainer_state)
+
+    def _save(self, engine, step: int, trainer_state: Callable[[], dict[str, Any]]) -> Path:
+        start = time.perf_counter()
+        final = ckpt.step_dir(self.output_dir, step)
+        staging = ckpt.staging_dir(self.output_dir, step)
+        if self.rank == 0:
+            if staging.exists():  # debris of this step's earlier attempt (recovered at start)
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        distributed.barrier()
+        # the callbacks' kwargs: LoRA does not write the frozen base again
+        engine.save_checkpoint(
+            str(staging), tag=ckpt.DS_TAG, save_latest=False, **self._kwargs("save_kwargs")
+        )
+        state = {"trainer": trainer_state(), "rng": rng_state(), "numerics": numerics_state()}
+        ckpt.write_trainer_state(staging, self.rank, state)
+        if self.rank == 0:
+            self._write_meta(staging, step)
+            for hook in self.hooks:
+                hook.on_save_meta(staging, engine.module)
+        distributed.barrier()  # every rank's files are written (no .tmp left) before anyone flushes
+        fsync_tree(staging)
+        distributed.barrier()
+        if self.rank == 0:
+            for hook in self.hooks:
+                hook.before_commit(step)
+            finalize(staging, final)
+            for gone in prune(self.output_dir, self.keep_last, keep=final):
+                self.say(f"removed old checkpoint {gone}")
+        distributed.barrier()
+        self.last_good = final
+        if self.rank == 0:  # the save's cost, for sizing preemption grace (docs/resume.md)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            took = time.perf_counter() - start
+            self.say(f"saved checkpoint {final} ({size / 2**20:.1f} MiB in {took:.2f} s)")
+        return final
+
+    def save_weights(self, engine, step: int) -> Path:
+        """train.save_on_signal model: each rank's partition of the weights only, in parallel
+        (weights_only.py), atomically under ``output_dir/weights/step_N``. Not resumable."""
+        from mdlmpe_ds import weights_only
+
+        final = weights_only.weights_dir(self.output_dir, step)
+        staging = final.with_name(final.name + ckpt.STAGING)
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        distributed.barrier()
+        weights_only.save_partitions(engine.module, staging, self.rank)
+        distributed.barrier()
+        if self.rank == 0:
+            self._write_meta(staging, step)
+            weights_only.write_marker(engine.module, staging, self.world)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
+        distributed.barrier()
+        return final
+
+    def last_good_advice(self) -> str:
+        """Where to continue from after a failure (the non-finite errors)."""
+        where = self.last_good or ckpt.newest_complete(self.output_dir)
+        return (
+            f"last good checkpoint: {where or 'none saved yet'}. Lower optim.lr or check the data, "
+            f"then resume with --resume {where or 'auto'}"
+        )
+
+    # ---------------------------------------------------------------- resume
+    def resume(self, engine, path: Path) -> tuple[dict[str, Any], int]:
+        """Load checkpoint ``path`` into ``engine`` and restore this process's RNG (same world
+        size); returns this rank's saved trainer state (rank 0's on another world size) and the
+        world size that wrote it. Collective."""
+        saved = ckpt.read_saved_run(path)
+        ckpt.check_same_model(saved, self.meta.model.to_dict())
+        # Another world size reads DeepSpeed's universal copy (the run assembly has switched the engine's
+        # "checkpoint.load_universal" on and checked that the copy exists).
+        same_world = saved.world_size == self.world
+        tag = ckpt.DS_TAG if same_world else ckpt.DS_UNIVERSAL_TAG
+        for hook in self.hooks:
+            hook.before_resume(path, engine.module)
+        loaded, _ = engine.load_checkpoint(str(path), tag=tag, **self._kwargs("load_kwargs"))
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path}/{tag}")
+        state = ckpt.read_trainer_state(path, self.rank if same_world else 0)
+        if same_world:
+            set_rng_state(state["rng"])
+            differences = numerics_differences(state.get("numerics"))
+            if differences and distributed.on_cpu():
+                log.warning(
+                    f"note: {path} was written with other CPU numerics ({'; '.join(differences)}): the "
+                    f"resumed losses will differ from an uninterrupted run's in the last bits "
+                    f"(set OMP_NUM_THREADS as at save for a bitwise continuation)"
+                )
+        self.last_good = path
+        return state, saved.world_size
+
+
+# ---------------------------------------------------------------------------- the steps
+def fsync_tree(path: Path) -> None:
+    """Flush every file below ``path`` (and the directories) to stable storage. Called by every rank
+    on the files it can see after writing its own, so COMPLETE never precedes data in the page cache."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def finalize(staging: Path, final: Path) -> None:
+    """Rank 0, after every rank's files are written and fsync'd (barrier): manifest, COMPLETE, then
+    the atomic swap of ``staging`` into ``final`` and `latest`."""
+    fsync_write(staging / MANIFEST, json.dumps({"files": ckpt.manifest_of(staging)}, indent=1))
+    fsync_write(staging / COMPLETE, f"{final.name}\n")
+    replaced = final.with_name(final.name + REPLACED)
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    fsync_write(final.parent / LATEST, f"{final.name}\n")
+
+
+@contextlib.contextmanager
+def disk_full_named(final: Path, last_good: Path | None) -> Iterator[None]:
+    """Turn a full disk during a save into one error that says so and names the checkpoint: torch's
+    writer reports it as "PytorchStreamWriter failed writing file ...: file write failed", without
+    the errno, so that case is decided by the free space left."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if not _out_of_space(err, final.parent):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device while saving checkpoint {final} "
+            f"({shutil.disk_usage(final.parent).free / 2**20:.0f} MiB free there): the partial save is "
+            f"removed at the next start; free space or move --output_dir, then --resume auto continues "
+            f"from {last_good or 'the start'}",
+        ) from err
+
+
+def _out_of_space(err: BaseException, where: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(err):
+        return True
+    if "file write failed" in str(err) or "inline_container" in str(err):
+        try:
+            return shutil.disk_usage(where).free < 64 * 2**20
+        except OSError:
+            return False
+    return False
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def numerics_state() -> dict[str, Any]:
+    """What, besides the saved state, decides the floating-point results of the next updates.
+
+    On the CPU the intra-op thread count does: a reduction (matmul, sum, norm) split over n threads
+    adds its partial sums in an n-dependent order. With OMP_NUM_THREADS=2 instead of 1 the fp32 losses
+    of the test run moved by ~1e-8 relative from update 4 on (deterministic for a fixed n), while two
+    runs with the same count agree bit for bit, straight or resumed. The torch build changes kernels.
+    """
+    return {"intra_op_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def numerics_differences(saved: dict[str, Any] | None) -> list[str]:
+    """Why a resumed run may not repeat the straight run bit for bit (empty: it should)."""
+    if not saved:
+        return []
+    now = numerics_state()
+    return [
+        f"{key} {saved.get(key)!r} at save, {value!r} now"
+        for key, value in now.items()
+        if saved.get(key) != value
+    ]
+
+
+def prune(output_dir: str | Path, keep_last: int, keep: Path) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (never ``keep``, the one just
+    written); directories without COMPLETE older than the newest complete one are debris of
+    interrupted saves from before atomic saving, and go too. Returns what was deleted."""
+    complete = ckpt.complete_checkpoints(output_dir)
+    doomed = [p for p in (complete[:-keep_last] if keep_last > 0 else []) if p != keep]
+    root = ckpt.checkpoints_root(output_dir)
+    if complete:
+        newest_step = ckpt.step_of(complete[-1])
+        for child in root.iterdir():
+            match = ckpt.STEP_DIR.match(child.name)
+            if match and not ckpt.is_complete(child) and int(match.group(1)) < newest_step:
+                doomed.append(child)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=False)
+    return doomed
