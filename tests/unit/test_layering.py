@@ -26,6 +26,7 @@ LEVELS: dict[str, int] = {
     "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
     "trainer": 72,  # the loop
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
+    "consolidate": 66,  # a checkpoint's weights as the plain model's (export and evaluation read it)
     "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
     "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
     "tracking": 62,
@@ -179,3 +180,10 @@ def test_production_code_reads_no_test_hooks_from_the_environment():
     for path in (REPO / "mdlmpe_ds").rglob("*.py"):
         text = path.read_text()
         assert "MDLMPE_DS_FAULT" not in text and "MDLMPE_DS_PROBE" not in text, path
+
+
+def test_diffusion_imports_no_position_encoding():
+    """Corruption, losses and sampling are pure functions of masks and logits: they need no
+    position-encoding code (the levels alone would allow diffusion -> pe)."""
+    edges = unit_edges()
+    assert ("diffusion", "pe") not in edges, edges.get(("diffusion", "pe"))
