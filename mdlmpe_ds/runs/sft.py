@@ -81,7 +81,8 @@ def sft_inputs(run: RunConfig) -> RunInputs:
 def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
     """Tokenise (or load from the cache) the chat data, and make this rank's sampler and the collator."""
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.data.sft import SFTCollator, eos_pad_id
+    from mdlmpe_ds.data.sft import eos_pad_id
+    from mdlmpe_ds.data.sft_collate import SFTCollator
 
     t, d = run.train, run.data
     family = inputs.model_config.family
