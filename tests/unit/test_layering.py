@@ -45,6 +45,7 @@ LEVELS: dict[str, int] = {
     "diffusion": 45,
     "attention": 40,
     "pe": 30,
+    "compat": 20,  # readers of older checkpoint and export layouts: pure functions of dicts
     "hub.resolve": 8,
     "recipes": 5,
     "seeding": 5,
@@ -187,3 +188,14 @@ def test_diffusion_imports_no_position_encoding():
     position-encoding code (the levels alone would allow diffusion -> pe)."""
     edges = unit_edges()
     assert ("diffusion", "pe") not in edges, edges.get(("diffusion", "pe"))
+
+
+def test_old_layout_readers_live_in_compat():
+    """What an older checkpoint or export holds is read in one module (compat.py), which imports
+    nothing of the package (every layer may call it); the tables of old keys are defined there only."""
+    assert imported_modules(REPO / "mdlmpe_ds" / "compat.py") == set()
+    tables = ("MOVED_KEYS = ", "ADDED_KEYS = ", "RUNTIME_KEYS = ")
+    for path in (REPO / "mdlmpe_ds").rglob("*.py"):
+        if path.name != "compat.py":
+            text = path.read_text()
+            assert not any(f"\n{t}" in text for t in tables), path
