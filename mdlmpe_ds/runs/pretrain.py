@@ -97,7 +97,7 @@ def sentencepiece_for_corpus(spec: str, vocab: int, cache_root: Path | None = No
     """
     from mdlmpe_ds.data.assets import default_cache_dir
     from mdlmpe_ds.data.corpora import corpus_text_files
-    from mdlmpe_ds.data.tokenizers import train_sentencepiece
+    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 
     files = corpus_text_files(spec)
     root = (cache_root or default_cache_dir()) / "tokenizers"
