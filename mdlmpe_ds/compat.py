@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 # -------------------------------------------------------------------- checkpoint format (config.json)
-# "format": 2 = the version that always writes MANIFEST.json; 0 = no "format" key (older).
-CHECKPOINT_FORMAT = 2
+# "format": 2 = the version that always writes MANIFEST.json (checkpoint.FORMAT, what this version
+# writes); 0 = no "format" key (older).
 MANIFEST_SINCE_FORMAT = 2
 
 
