@@ -171,6 +171,7 @@ HUB_CORPORA: dict[str, HubCorpus] = {
     "text8": HubCorpus("afmck/text8", None, ("train", "validation", "test"), "test"),
 }
 
+
 def parse_name(spec: str) -> tuple[str, str | None]:
     """``"wikitext-103@validation"`` -> ``("wikitext-103", "validation")``; no ``@``: no split."""
     name, _, split = spec.partition("@")
