@@ -50,13 +50,13 @@ def export(
     base_only: bool = False,
 ) -> Path:
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine, lora, weights_only
+    from mdlmpe_ds import lora, weights_only
+    from mdlmpe_ds.consolidate import as_declared_shapes, checkpoint_state, consolidated_state
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.hub.export_target import check_target, staged
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
-    from mdlmpe_ds.models.transformer import DiffusionLM
 
     # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
     model_only = weights_only.is_weights_dir(checkpoint)
@@ -64,7 +64,7 @@ def export(
     target = check_target(out, step_dir)  # never into a checkpoint or over a run (hub/export_target.py)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
-    state = weights_only.load(step_dir) if model_only else engine.fp32_state_dict_from_checkpoint(step_dir)
+    state = checkpoint_state(step_dir)
     spec = lora.spec_of(saved.run_config)
     if spec is None and (adapter_only or base_only):
         flag = "--adapter-only" if adapter_only else "--base-only"
@@ -77,19 +77,12 @@ def export(
             if push_to_hub:
                 print(f"uploaded {target} -> {upload(target, push_to_hub)}")
             return target
-        if base_only:  # the frozen base and the trained MDLMPE weights: what the adapter goes onto
-            state = lora.merge(lora.read_base(step_dir, saved.run_config), {}, mdlmpe, spec)
-        else:
-            state = lora.merged_state(step_dir, saved.run_config, state)
-    # Shapes as the plain model declares them (the engine stores MDLMPE's scalar gate as [1]).
-    with torch.device("meta"):
-        reference = dict(DiffusionLM(config).state_dict())
-    converted = {}
-    for name, tensor in state.items():
-        want = reference.get(name)
-        if want is not None and tuple(want.shape) != tuple(tensor.shape) and want.numel() == tensor.numel():
-            tensor = tensor.reshape(want.shape)
-        converted[name] = tensor.to(DTYPES[dtype])
+    if spec is not None and base_only:  # the frozen base and the trained MDLMPE weights: the adapter's base
+        base = lora.read_base(step_dir, saved.run_config)
+        state = as_declared_shapes(lora.merge(base, {}, mdlmpe, spec), config)
+    else:  # the plain model's state (a LoRA run's adapters merged), shaped as the model declares
+        state = consolidated_state(step_dir, saved.run_config, config, state)
+    converted = {name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()}
     # Written whole into a staging directory, then swapped in: no file of an earlier export survives.
     with staged(target) as stage:
         files = save_pretrained(converted, stage, config, max_shard_bytes=int(max_shard_gb * 1024**3))

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds import compat
 from mdlmpe_ds.models.config import drop_stored_runtime_keys
 
 COMPLETE = "COMPLETE"
@@ -222,7 +223,7 @@ def verify(path: Path) -> list[str]:
     written before manifests existed has none and passes."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        if _format_of(path) >= FORMAT:
+        if compat.manifest_required(_format_of(path)):
             return [f"{manifest_file} is missing (this version always writes it: the checkpoint is damaged)"]
         return []
     try:
@@ -342,7 +343,7 @@ def read_saved_run(path: Path) -> SavedRun:
             meta["run_config"],
             meta["model_config"],
             meta.get("tokenizer"),
-            meta.get("data_fingerprint"),
+            compat.recorded_data_fingerprint(meta),
         )
     except (ValueError, KeyError) as err:
         raise ValueError(f"{meta_file}: unreadable checkpoint metadata ({err!r})") from err

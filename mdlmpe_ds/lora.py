@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mdlmpe_ds.compat import stored_model_section
 from mdlmpe_ds.lora_base import (  # noqa: F401  (re-exported: where the base is and which it is)
     IDENTITY_ATTR,
     base_file,
@@ -58,7 +59,7 @@ from mdlmpe_ds.lora_spec import (  # noqa: F401  (re-exported: the spec's home)
 def spec_of(run_config) -> LoraSpec | None:
     """The run's spec (``model.lora``), None for a full fine-tune. Takes a RunConfig or its dict."""
     if isinstance(run_config, dict):  # a checkpoint's config.json (older ones may lack sections)
-        text = (run_config.get("model") or {}).get("lora")
+        text = stored_model_section(run_config).get("lora")
     else:
         text = run_config.model.lora
     return parse(text, "model.lora") if text else None

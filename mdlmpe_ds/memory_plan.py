@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.attention import planned_backend
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.head_chunks import DEFAULT_CHUNK, configured_chunk
 from mdlmpe_ds.models.config import ModelConfig
@@ -44,12 +45,11 @@ FP32 = 4
 
 
 # ------------------------------------------------------------------------------ activation model
-def _backend_on(impl: AttentionImpl, device: str) -> AttentionImpl:
-    """``impl`` with the backend ``auto`` resolved as it runs on ``device``: the fused Triton
-    kernel on a GPU, the blocked path on the CPU (attention/__init__.py)."""
-    if impl.backend != "auto":
-        return impl
-    return dataclasses.replace(impl, backend="triton" if device.startswith("cuda") else "blocked")
+def _backend_on(impl: AttentionImpl, device: str, cfg: ModelConfig) -> AttentionImpl:
+    """``impl`` with the backend ``auto`` resolved as the model will run it on ``device``, by the
+    attention's own rule (attention.planned_backend: the fused Triton kernel on a GPU unless the
+    coordinate is learned, the blocked path otherwise)."""
+    return dataclasses.replace(impl, backend=planned_backend(impl.backend, device, cfg.mdlmpe))
 
 
 def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: int) -> float:
@@ -99,7 +99,7 @@ def layer_activation_bytes(
     how the MDLMPE attention runs (default ``AttentionImpl()``); ``recompute``: the checkpointing
     (default ``Recompute()``: none).
     """
-    impl = _backend_on(impl or AttentionImpl(), device)
+    impl = _backend_on(impl or AttentionImpl(), device, cfg)
     recompute = recompute or Recompute()
     d, m = cfg.hidden_size, cfg.intermediate_size
     hq = cfg.num_heads * cfg.head_dim
@@ -178,7 +178,7 @@ def attention_transient_bytes(
     (``_pair_bytes_saved``)."""
     if cfg.position_encoding != "mdlmpe":
         return 0.0
-    impl = _backend_on(impl or AttentionImpl(), device)
+    impl = _backend_on(impl or AttentionImpl(), device, cfg)
     pairs = cfg.head_dim // 2
     if impl.backend == "triton":
         from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
@@ -274,7 +274,7 @@ def plan_memory(
     gradients and optimizer states are those of ``trainable_params`` only (default: all).
     ``device`` "cpu": the ranks are CPU processes, so no CUDA context allowance is added."""
     head_chunk = head_chunk or configured_chunk()
-    impl = _backend_on(impl or AttentionImpl(), "cuda")  # a plan per GPU
+    impl = _backend_on(impl or AttentionImpl(), "cuda", cfg)  # a plan per GPU
     recompute = recompute or Recompute()
     if world < 1 or micro_batch < 1 or length < 1:
         raise ValueError(

@@ -34,25 +34,40 @@ log = logging.getLogger(__name__)
 _ANNOUNCED: set[tuple[str, str]] = set()
 
 
+def auto_backend(device_type: str, learned_coordinate: bool = False) -> tuple[str, str]:
+    """(backend, why) that ``auto`` runs on tensors of ``device_type``: ``triton`` on CUDA
+    (``blocked`` when the coordinate is learned, ``coordinate='mlp'``: the fused kernel has no
+    gradient for A, D) and ``blocked`` on every other device. The one rule: the run's choice per
+    call (:func:`choose_backend`) and the memory plan's (:func:`planned_backend`) both read it."""
+    if device_type != "cuda":
+        return "blocked", f"{device_type} tensors (the eager / compiled PyTorch path)"
+    if learned_coordinate:
+        return "blocked", "CUDA tensors, but A, D need gradients (coordinate='mlp')"
+    return "triton", "CUDA tensors (fused kernel)"
+
+
 def choose_backend(name: str, device: torch.device | str, learned_coordinate: bool = False) -> str:
     """The backend that runs configured backend ``name`` on tensors on ``device``.
 
-    Explicit names are returned as they are. ``auto`` is ``triton`` on CUDA (``blocked`` when the
-    coordinate is learned, ``coordinate='mlp'``: the fused kernel has no gradient for A, D) and
-    ``blocked`` on every other device. The choice is logged once per (device type, backend)."""
+    Explicit names are returned as they are; ``auto`` as :func:`auto_backend` decides. The choice
+    is logged once per (device type, backend)."""
     if name != "auto":
         return name
     kind = torch.device(device).type
-    if kind != "cuda":
-        chosen, why = "blocked", f"{kind} tensors (the eager / compiled PyTorch path)"
-    elif learned_coordinate:
-        chosen, why = "blocked", "CUDA tensors, but A, D need gradients (coordinate='mlp')"
-    else:
-        chosen, why = "triton", "CUDA tensors (fused kernel)"
+    chosen, why = auto_backend(kind, learned_coordinate)
     if (kind, chosen) not in _ANNOUNCED:
         _ANNOUNCED.add((kind, chosen))
         log.info("mdlmpe attention backend 'auto' -> %r for %s", chosen, why)
     return chosen
+
+
+def planned_backend(name: str, device: torch.device | str, config: MDLMPEConfig) -> str:
+    """The backend a model with MDLMPE ``config`` will run for configured ``name`` on ``device``,
+    before any tensor exists (the memory plan): A, D carry gradients exactly when the coordinate
+    is learned (``coordinate='mlp'``, pe/encoder.py). Not logged."""
+    if name != "auto":
+        return name
+    return auto_backend(torch.device(device).type, config.coordinate == "mlp")[0]
 
 
 def resolve_backend(name: str) -> AttentionFn:

@@ -171,9 +171,6 @@ HUB_CORPORA: dict[str, HubCorpus] = {
     "text8": HubCorpus("afmck/text8", None, ("train", "validation", "test"), "test"),
 }
 
-# Table 2's zero-shot corpora plus the in-domain validation, by the names above (ptb: offline).
-PAPER_EVAL_CORPORA = ("openwebtext", "lm1b", "ptb", "text8", "wikitext-2", "wikitext-103")
-
 
 def parse_name(spec: str) -> tuple[str, str | None]:
     """``"wikitext-103@validation"`` -> ``("wikitext-103", "validation")``; no ``@``: no split."""

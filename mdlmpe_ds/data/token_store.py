@@ -11,15 +11,8 @@ Layout of a store directory::
     COMPLETE       written last: the token count and the manifest's SHA-256; a directory without
                    it is never read
 
-Content, not names: opening checks the data files against the manifest's sampled content hash
-(SHA-256 over 64 chunks of 64 KiB spread evenly over each file, plus its size: 4 MiB read per file
-whatever the corpus size, so every rank can afford it at every start) and the manifest against the
-SHA-256 recorded in ``COMPLETE``. A ``tokens.bin`` overwritten at the same size by another corpus, or
-an edited manifest, is then reported by file name (``open_or_build`` rebuilds such a store) instead
-of being trained on, or of surfacing later as a checkpoint "trained on other data". The full hash
-is the packed fingerprint, computed once over every token at build (reading a 100 GB store in
-full costs minutes per rank, too much for every open); a change confined to bytes between the
-sampled chunks is caught only by that fingerprint, when the store is rebuilt.
+Opening checks the data files and the manifest by content (data/store_integrity.py), so a store
+overwritten or edited in place is reported by file name and rebuilt instead of being trained on.
 
 The token sequence is exactly the in-memory stream of ``PackedTokenDataset`` (same documents, same
 separators), so windows cut from the store are the same tokens and keep the same indices, and the
@@ -39,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -53,70 +45,22 @@ from typing import Any
 import numpy as np
 
 from mdlmpe_ds import stop_request
+from mdlmpe_ds.data.store_integrity import (
+    COMPLETE,
+    DOC_ENDS,
+    MANIFEST,
+    TOKENS,
+    StoreChangedError,
+    StoreError,
+    check_content,
+    check_manifest,
+    complete_marker,
+    content_sample,
+)
 from mdlmpe_ds.run_lock import pid_alive
 
 STORE_VERSION = 1
-COMPLETE = "COMPLETE"
-TOKENS, DOC_ENDS, MANIFEST = "tokens.bin", "doc_ends.npy", "manifest.json"
 _FLUSH_TOKENS = 1 << 22  # write buffer: 4M ids (16 MB as uint32)
-_SAMPLE_CHUNKS, _SAMPLE_BYTES = 64, 1 << 16  # the sampled content hash (module doc)
-_MANIFEST_HASH = "manifest_sha256"
-
-
-class StoreError(RuntimeError):
-    """A store that cannot be used as it is (incomplete, damaged, other format); names the file."""
-
-
-class StoreChangedError(StoreError):
-    """A complete store whose files no longer match what was built (edited, overwritten, damaged):
-    ``open_or_build`` builds it again."""
-
-
-def sampled_content_hash(file: Path, chunks: int = _SAMPLE_CHUNKS, chunk_bytes: int = _SAMPLE_BYTES) -> str:
-    """SHA-256 over the size of ``file`` and ``chunks`` chunks of ``chunk_bytes`` at offsets spread
-    evenly from its start to its end (the whole file when smaller than that)."""
-    size = file.stat().st_size
-    h = hashlib.sha256(f"{size}:{chunks}:{chunk_bytes}:".encode())
-    last = max(0, size - chunk_bytes)
-    starts = sorted({last * k // max(1, chunks - 1) for k in range(chunks)})
-    with open(file, "rb") as fh:
-        for start in starts:
-            fh.seek(start)
-            h.update(fh.read(chunk_bytes))
-    return h.hexdigest()
-
-
-def _content_sample(path: Path) -> dict[str, Any]:
-    return {
-        "chunks": _SAMPLE_CHUNKS,
-        "chunk_bytes": _SAMPLE_BYTES,
-        "files": {name: sampled_content_hash(path / name) for name in (TOKENS, DOC_ENDS)},
-    }
-
-
-def _check_manifest(path: Path, raw: bytes) -> None:
-    """The manifest's bytes against the SHA-256 ``COMPLETE`` recorded (older stores have none)."""
-    for line in (path / COMPLETE).read_text(encoding="utf-8").splitlines():
-        key, _, want = line.partition(" ")
-        if key == _MANIFEST_HASH and hashlib.sha256(raw).hexdigest() != want:
-            raise StoreChangedError(
-                f"token store manifest edited or damaged: {path / MANIFEST} (its SHA-256 is not the one "
-                f"recorded in {path / COMPLETE} when the store was built)"
-            )
-
-
-def _check_content(path: Path, manifest: dict[str, Any]) -> None:
-    """The data files against the manifest's sampled hash (older stores have none)."""
-    sample = manifest.get("content_sample")
-    if not sample:
-        return
-    for name, want in sample["files"].items():
-        got = sampled_content_hash(path / name, int(sample["chunks"]), int(sample["chunk_bytes"]))
-        if got != want:
-            raise StoreChangedError(
-                f"token store file changed since it was built: {path / name} (its sampled content hash "
-                f"differs from the one in {path / MANIFEST}; overwritten or damaged)"
-            )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -178,7 +122,7 @@ class TokenStore:
             manifest = json.loads(raw.decode("utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise StoreChangedError(f"token store manifest {path / MANIFEST} is unreadable: {err}") from err
-        _check_manifest(path, raw)  # before any count in it is believed
+        check_manifest(path, raw)  # before any count in it is believed
         if manifest.get("version") != STORE_VERSION:
             raise StoreError(
                 f"{path / MANIFEST}: store format {manifest.get('version')!r}, "
@@ -204,7 +148,7 @@ class TokenStore:
                 f"{path / DOC_ENDS}: shape {doc_ends.shape} ending at {last}, "
                 f"the manifest says {n_docs} documents over {n_tokens} tokens"
             )
-        _check_content(path, manifest)
+        check_content(path, manifest)
         return cls(path, manifest, tokens, doc_ends)
 
 
@@ -359,11 +303,11 @@ def build_store(
             ends = np.load(staging / DOC_ENDS, mmap_mode="r")
             meta.update(fingerprint(tokens, ends))
             del tokens, ends
-        meta["content_sample"] = _content_sample(staging)
+        meta["content_sample"] = content_sample(staging)
         text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
         (staging / MANIFEST).write_text(text, encoding="utf-8")
         with open(staging / COMPLETE, "w") as fh:
-            fh.write(f"{writer.num_tokens}\n{_MANIFEST_HASH} {hashlib.sha256(text.encode()).hexdigest()}\n")
+            fh.write(complete_marker(writer.num_tokens, text))
             fh.flush()
             os.fsync(fh.fileno())
         try:

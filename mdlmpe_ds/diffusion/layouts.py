@@ -35,6 +35,7 @@ correlate the weight with the draw and make ``iid`` differ from today's objectiv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -73,11 +74,18 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def default_span_mean(length: int) -> float:
-    """sigma of MDLMPE's Gaussian window for L_ref = ``length`` (W = 3L/16, sigma = W/4)."""
-    from mdlmpe_ds.pe.config import MDLMPEConfig
+# MDLMPE's default window (pe/config.py: window_ratio 3/16, rho 1/4), whose sigma is the spans'
+# mean length. Written here so the corruption needs no position-encoding code; a unit test keeps
+# the two equal (tests/unit/test_layouts.py).
+SPAN_WINDOW_RATIO = 3 / 16
+SPAN_RHO = 0.25
 
-    return float(MDLMPEConfig(max_seq_len=max(int(length), 2)).sigma)
+
+def default_span_mean(length: int) -> float:
+    """sigma of MDLMPE's default Gaussian window for L_ref = ``length``: W = round(3L/16),
+    sigma = max(W/4, 1) (paper Eq. (2))."""
+    window = math.floor(SPAN_WINDOW_RATIO * max(int(length), 2) + 0.5)
+    return float(max(SPAN_RHO * window, 1.0))
 
 
 def layout_draws(

@@ -29,24 +29,15 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
     from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine
+    from mdlmpe_ds.consolidate import checkpoint_state, consolidated_state
     from mdlmpe_ds.models.config import ModelConfig
 
     step_dir = ckpt.resolve_checkpoint(path)
     saved = ckpt.read_saved_run(step_dir)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     model = DiffusionLM(config)
-    reference = model.state_dict()
-    state = {}
-    from mdlmpe_ds.lora import merged_state
-
-    # a LoRA run's checkpoint holds adapters + MDLMPE only: merged onto its base (mdlmpe_ds/lora.py)
-    consolidated = merged_state(step_dir, saved.run_config, engine.fp32_state_dict_from_checkpoint(step_dir))
-    for name, tensor in consolidated.items():
-        want = reference.get(name)
-        if want is not None and want.shape != tensor.shape and want.numel() == tensor.numel():
-            tensor = tensor.reshape(want.shape)  # the engine stores MDLMPE's scalar gate as [1]
-        state[name] = tensor
+    # a LoRA run's checkpoint holds adapters + MDLMPE only: merged onto its base (consolidate.py)
+    state = consolidated_state(step_dir, saved.run_config, config, checkpoint_state(step_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("active_kv")]
     if missing or unexpected:

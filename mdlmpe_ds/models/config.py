@@ -12,18 +12,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig, read_stored
+from mdlmpe_ds.compat import MODEL_RUNTIME_KEYS, read_stored_model_config
+from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llada", "dream")
 POSITION_ENCODINGS = ("rope", "mdlmpe", "alibi", "absolute")
-# Keys older model configs held that are run-time choices now (models/recompute.py), with the run
-# configuration key that sets them; a checkpoint or export that stored them loads without them.
-RUNTIME_KEYS = {
-    "gradient_checkpointing": ("model.gradient_checkpointing", "layers"),
-    "recompute_mdlmpe_attention": ("model.recompute_mdlmpe_attention", "mdlmpe_attention"),
-}
 
 
 @dataclass
@@ -157,8 +152,8 @@ def check_model_keys(keys: Iterable[str], where: str) -> None:
     """Raise for a key that is not a ModelConfig field: a run-time key says where it moved, any
     other lists the known keys. ``where`` names the source in the message."""
     keys = set(keys)
-    for key in sorted(keys & set(RUNTIME_KEYS)):
-        run_key, field_name = RUNTIME_KEYS[key]
+    for key in sorted(keys & set(MODEL_RUNTIME_KEYS)):  # older configs' keys (compat.py)
+        run_key, field_name = MODEL_RUNTIME_KEYS[key]
         raise ValueError(
             f"{where}: {key!r} is not a model key any more: checkpointing is a run-time choice, set "
             f"--{run_key} in the run config, or build DiffusionLM(config, "
@@ -172,13 +167,9 @@ def check_model_keys(keys: Iterable[str], where: str) -> None:
 
 def drop_stored_runtime_keys(data: dict[str, Any]) -> dict[str, Any]:
     """A stored model config (a checkpoint's or an export's) without the run-time keys older
-    versions wrote into it: RUNTIME_KEYS at the top, pe.config.MOVED_KEYS in the MDLMPE block. The
-    model is the same without them; what was dropped is logged at debug level."""
-    out = {k: v for k, v in data.items() if k not in RUNTIME_KEYS}
-    dropped = sorted(set(data) - set(out))
-    if isinstance(out.get("mdlmpe"), dict):
-        out["mdlmpe"] = read_stored(out["mdlmpe"])
-        dropped += [f"mdlmpe.{k}" for k in sorted(set(data["mdlmpe"]) - set(out["mdlmpe"]))]
+    versions wrote into it (compat.read_stored_model_config). The model is the same without them;
+    what was dropped is logged at debug level."""
+    out, dropped = read_stored_model_config(data)
     if dropped:
         log.debug(f"stored model config: dropped the run-time keys {dropped}")
     return out

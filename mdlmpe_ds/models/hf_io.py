@@ -28,11 +28,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.compat import read_stored_mdlmpe
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.device import check_device
 from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
 from mdlmpe_ds.models.transformer import DiffusionLM, _is_mdlmpe_name
-from mdlmpe_ds.pe.config import MDLMPEConfig, read_stored
+from mdlmpe_ds.pe.config import MDLMPEConfig
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -139,7 +140,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str = CONFIG_NAME, **over
     values.update(project)
     values.update(overrides)
     # An older export's block may hold attention-implementation keys (a run-time choice now): dropped.
-    mdlmpe_values = read_stored(dict(mdlmpe or {}))
+    mdlmpe_values = read_stored_mdlmpe(dict(mdlmpe or {}))
     if isinstance(values.get("mdlmpe"), MDLMPEConfig):
         mdlmpe_cfg = values.pop("mdlmpe")
     else:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from mdlmpe_ds.compat import MDLMPE_MOVED_KEYS
+
 COORDINATES = ("sine", "mlp", "none")
 # "per_layer": every attention layer owns a phase MLP; "shared": one phase MLP, owned by the model,
 # serves every layer (the paper's "shared" MLP, docs/method.md "Phase MLP: per layer or shared").
@@ -18,39 +20,9 @@ PHASE_MLPS = ("per_layer", "shared")
 # max_seq_len "not given": L_ref follows the length of the model (ModelConfig) or run (RunConfig).
 FOLLOW_MODEL = -1
 
-# Keys this config once had that say how the attention is computed, not what it computes; they
-# moved to the run's attention section (mdlmpe_ds.attention.impl.AttentionImpl). None: removed
-# (every block now recomputes its pair tensors). A new config naming one is an error that says
-# where it went; configs stored by older checkpoints and exports drop them (read_stored).
-MOVED_KEYS = {
-    "backend": "attention.backend",
-    "block_size": "attention.query_block",
-    "triton_tile": "attention.tile",
-    "compile": "attention.compile",
-    "checkpoint_blocks": None,
-}
-
-
-# Keys added after checkpoints and exports were first written, with the value that computes what
-# those (which lack the key) computed: a stored config without one reads as that value.
-ADDED_KEYS = {"phase_mlp": "per_layer"}
-
-
-def drop_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` (a stored MDLMPE config) without the keys of MOVED_KEYS: what an old checkpoint or
-    exported model stored there is a run-time choice, and the model is the same without it."""
-    return {k: v for k, v in data.items() if k not in MOVED_KEYS}
-
-
-def read_stored(data: dict[str, Any]) -> dict[str, Any]:
-    """A stored MDLMPE config (a checkpoint's or an export's) as this version spells it: the keys
-    of MOVED_KEYS dropped, the keys of ADDED_KEYS it lacks filled with the value it computed with
-    (so an old checkpoint compares equal to the same model configured today)."""
-    return {**ADDED_KEYS, **drop_moved_keys(data)}
-
 
 def _moved_key_error(key: str) -> ValueError:
-    where = MOVED_KEYS[key]
+    where = MDLMPE_MOVED_KEYS[key]
     if where is None:
         return ValueError(
             f"mdlmpe config: {key!r} is gone: the blocked attention always recomputes each block's "
@@ -148,10 +120,11 @@ class MDLMPEConfig:
 
     @classmethod
     def check_keys(cls, keys: Iterable[str]) -> None:
-        """Raise for a key of MOVED_KEYS (saying where it went) or an unknown key (listing the known)."""
+        """Raise for a key that moved (compat.MDLMPE_MOVED_KEYS: saying where it went) or an unknown
+        key (listing the known)."""
         keys = list(keys)
         for key in keys:
-            if key in MOVED_KEYS:
+            if key in MDLMPE_MOVED_KEYS:
                 raise _moved_key_error(key)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(keys) - known)
@@ -160,7 +133,7 @@ class MDLMPEConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MDLMPEConfig:
-        """A validated config from ``data``; a key of MOVED_KEYS is an error that says where it went
-        (read stored configs through :func:`read_stored` first)."""
+        """A validated config from ``data``; a key that moved is an error that says where it went
+        (read stored configs through ``compat.read_stored_mdlmpe`` first)."""
         cls.check_keys(data)
         return cls(**data).validate()

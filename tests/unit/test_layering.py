@@ -29,6 +29,7 @@ LEVELS: dict[str, int] = {
     "checkpointer": 68,  # the save and resume protocol (staging, fsync, manifest, swap, verify, prune)
     "callback": 66,  # the hook points of the loop (the base class the callbacks implement)
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
+    "consolidate": 66,  # a checkpoint's weights as the plain model's (export and evaluation read it)
     "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
     "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
     "tracking": 62,
@@ -48,6 +49,7 @@ LEVELS: dict[str, int] = {
     "diffusion": 45,
     "attention": 40,
     "pe": 30,
+    "compat": 20,  # readers of older checkpoint and export layouts: pure functions of dicts
     "hub.resolve": 8,
     "recipes": 5,
     "seeding": 5,
@@ -246,3 +248,21 @@ def test_models_read_no_environment_variable():
             elif isinstance(node, ast.ImportFrom) and node.module == "os":
                 found += [f"{path.relative_to(REPO)}:{node.lineno}: os.{a.name}" for a in node.names]
     assert found == []
+
+
+def test_diffusion_imports_no_position_encoding():
+    """Corruption, losses and sampling are pure functions of masks and logits: they need no
+    position-encoding code (the levels alone would allow diffusion -> pe)."""
+    edges = unit_edges()
+    assert ("diffusion", "pe") not in edges, edges.get(("diffusion", "pe"))
+
+
+def test_old_layout_readers_live_in_compat():
+    """What an older checkpoint or export holds is read in one module (compat.py), which imports
+    nothing of the package (every layer may call it); the tables of old keys are defined there only."""
+    assert imported_modules(REPO / "mdlmpe_ds" / "compat.py") == set()
+    tables = ("MOVED_KEYS = ", "ADDED_KEYS = ", "RUNTIME_KEYS = ")
+    for path in (REPO / "mdlmpe_ds").rglob("*.py"):
+        if path.name != "compat.py":
+            text = path.read_text()
+            assert not any(f"\n{t}" in text for t in tables), path

@@ -144,3 +144,12 @@ def test_unknown_layout_is_rejected_by_name():
     with pytest.raises(ValueError, match=r"train\.corruption"):
         build_config(None, ["--corruption", "blocks"])
     assert build_config(None, ["--corruption", "mix"]).train.corruption == "mix"
+
+
+def test_default_span_mean_is_the_default_mdlmpe_sigma():
+    """The spans' mean length is sigma of MDLMPE's default window, written in diffusion/ so the
+    corruption imports no position-encoding code: the two stay equal at every length."""
+    from mdlmpe_ds.pe.config import MDLMPEConfig
+
+    for length in (1, 2, 7, 16, 64, 100, 128, 256, 1000, 1024, 4096):
+        assert default_span_mean(length) == float(MDLMPEConfig(max_seq_len=max(length, 2)).sigma), length

@@ -132,3 +132,27 @@ def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
     planned = plan_memory(cfg, ds, 8, 2, 64, recompute=run.recompute())
     assert run.recompute() == Recompute(layers=True)  # the run's default: checkpointed
     assert built["memory_gib"] == pytest.approx(planned.total / GIB)
+
+
+def test_plan_uses_the_attention_rule_for_the_learned_coordinate():
+    """``auto`` with the learned coordinate (coordinate='mlp') runs the blocked path on a GPU
+    (attention.choose_backend: the fused kernel has no gradient for A, D), so the plan of that
+    ablation is the blocked path's, not the Triton kernel's; the sine coordinate plans Triton."""
+    from mdlmpe_ds.attention import choose_backend
+
+    assert choose_backend("auto", "cuda", learned_coordinate=True) == "blocked"
+    ds = _ds("zero3.json")
+    for coordinate, runs in (("mlp", "blocked"), ("sine", "triton")):
+        cfg = preset(
+            "llada-8b",
+            position_encoding="mdlmpe",
+            mdlmpe=MDLMPEConfig(max_seq_len=4096, coordinate=coordinate),
+        )
+        auto = plan_memory(cfg, ds, world=8, micro_batch=1, length=4096)
+        named = plan_memory(cfg, ds, world=8, micro_batch=1, length=4096, impl=AttentionImpl(backend=runs))
+        assert auto.items == named.items, coordinate
+    cfg = preset(
+        "llada-8b", position_encoding="mdlmpe", mdlmpe=MDLMPEConfig(max_seq_len=4096, coordinate="mlp")
+    )
+    triton = plan_memory(cfg, ds, world=8, micro_batch=1, length=4096, impl=AttentionImpl(backend="triton"))
+    assert plan_memory(cfg, ds, world=8, micro_batch=1, length=4096).items != triton.items

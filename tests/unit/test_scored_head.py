@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mdlmpe_ds.config import build_config
-from mdlmpe_ds.data.sft import SFTCollator, SFTExample
+from mdlmpe_ds.data.sft import SFTExample
+from mdlmpe_ds.data.sft_collate import SFTCollator
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss, llada_sft_loss

@@ -15,13 +15,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mdlmpe_ds.data.chat_templates import render_chatml, render_llada, template_for
-from mdlmpe_ds.data.sft import (
-    SFTCollator,
-    SFTDataError,
-    SFTExample,
-    build_sft_dataset,
-    eos_pad_id,
-)
+from mdlmpe_ds.data.sft import SFTExample, build_sft_dataset, eos_pad_id
+from mdlmpe_ds.data.sft_collate import SFTCollator
+from mdlmpe_ds.data.sft_rows import SFTDataError
 from mdlmpe_ds.data.tokenizers import QWEN25_CHAT_TEMPLATE
 
 CORPUS = [

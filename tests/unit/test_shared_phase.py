@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from mdlmpe_ds.attention import AttentionImpl
+from mdlmpe_ds.compat import read_stored_mdlmpe as read_stored
 from mdlmpe_ds.models import DiffusionLM, preset
 from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
-from mdlmpe_ds.pe.config import MDLMPEConfig, read_stored
+from mdlmpe_ds.pe.config import MDLMPEConfig
 from mdlmpe_ds.pe.phase import PhaseMLP
 
 SHARED = {"phase_mlp": "shared"}

@@ -60,7 +60,7 @@ def test_qwen25_chat_template_is_chatml_with_default_system(qwen):
 
 @pytest.fixture(scope="module")
 def botchan_spm(assets, tmp_path_factory):
-    from mdlmpe_ds.data.tokenizers import train_sentencepiece
+    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 
     text = assets("botchan").botchan
     out = tmp_path_factory.mktemp("spm")
@@ -95,7 +95,7 @@ def test_sentencepiece_tokenizer_loads_and_matches_sentencepiece(botchan_spm):
 def test_sentencepiece_training_is_deterministic(botchan_spm, tmp_path):
     import sentencepiece as spm
 
-    from mdlmpe_ds.data.tokenizers import train_sentencepiece
+    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 
     text, out = botchan_spm
     train_sentencepiece([text], 2000, tmp_path)

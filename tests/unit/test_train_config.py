@@ -201,7 +201,7 @@ def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
 ):
     """The compiled attention compiles once per batch width: without a width multiple the run says
     so; with one, the collator rounds widths. Bad values and cutoff combinations are named."""
-    from mdlmpe_ds.data import sft
+    from mdlmpe_ds.data import sft_collate as sft
 
     made = []
 

@@ -1,0 +1,281 @@
+"""SFT chat rows: read a local json/jsonl/parquet file or a hub dataset row by row (naming the
+file, line and byte offset of what cannot be read), and validate each row into messages
+(``row_messages``) and (prompt turns, response) pairs (``conversation_pairs``). The row formats
+are described in data/sft.py; tokenising and caching are there too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from mdlmpe_ds.data.chat_templates import Message
+
+ROLES = ("system", "user", "assistant")
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+LOGGED_BAD_LINES = 20  # skipped undecodable lines named in the log; the rest are only counted
+
+
+class SFTDataError(ValueError):
+    """A malformed SFT row; the message names the source and the 0-based row index."""
+
+
+class Malformed(Exception):
+    """Internal: the reason a row is malformed, before the source/row prefix is known."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def _local_format(source: str) -> str | None:
+    """'json' / 'parquet' for a local file source, None for a hub name. Missing file -> error."""
+    path = Path(source)
+    fmt = LOCAL_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        if path.is_file():
+            raise ValueError(
+                f"{source}: unsupported SFT file type {path.suffix!r}; use .json, .jsonl or .parquet"
+            )
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file not found: {source}")
+    return fmt
+
+
+def load_sft_rows(source: str | Path, split: str = "train") -> Any:
+    """The raw rows of ``source`` as a ``datasets.Dataset``.
+
+    ``source`` is a local ``.json``/``.jsonl``/``.parquet`` file (``FileNotFoundError`` naming the path
+    if it is missing), a local dataset directory, or a hub dataset name (e.g.
+    ``allenai/tulu-3-sft-mixture``, ``HuggingFaceTB/smoltalk``; needs network or a populated cache).
+    """
+    import datasets  # imported here: loading it is slow and only data preparation needs it
+
+    source = str(source)
+    fmt = _local_format(source)
+    if fmt is not None:
+        return datasets.load_dataset(fmt, data_files={split: source}, split=split)
+    from mdlmpe_ds.hub.resolve import split_dataset_name
+
+    name, config = split_dataset_name(source)  # "HuggingFaceTB/smoltalk:all" names config "all"
+    return datasets.load_dataset(name, config, split=split)
+
+
+class BadLine(NamedTuple):
+    """Internal: a unit of a local JSON file that cannot become a row (bytes that are not UTF-8, text
+    that is not JSON). ``build_sft_dataset`` fails on it naming the file, row and line, or, with
+    ``skip_malformed``, skips and counts it under ``kind`` like any malformed row."""
+
+    line: int | None  # 1-based line of the file (None: a row of a JSON array, whose line is unknown)
+    kind: str  # the skip reason counted in SFTDataStats.skip_reasons
+    detail: str  # the rest of the error message, e.g. "is not valid JSON (Expecting value: ...)"
+
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _json_rows(path: str) -> Iterator[Any]:
+    """Rows of a local .json / .jsonl file, parsed here rather than by ``datasets``.
+
+    ``datasets`` (pyarrow) fails a whole file on one line that is not JSON, names no line for bytes
+    that are not UTF-8 (and may only fail later, while rows are iterated), and cannot skip either.
+    Parsing here names the line, lets ``skip_malformed`` skip exactly that line, streams (memory
+    does not grow with the file) and writes no Arrow copy of the file to the datasets cache.
+
+    - JSON Lines (.jsonl, or a .json whose first character is not '['): each non-blank line is
+      one row; a line that is not UTF-8 or not JSON is yielded as a ``BadLine``. Lines are split
+      on b"\\n" only (JSON strings may hold U+2028 and friends, which ``str.splitlines`` splits on).
+    - A JSON array: one document, parsed whole. If it is not valid JSON it cannot be cut into rows,
+      so that is an error even with ``skip_malformed``. Bytes that are not UTF-8 are decoded with
+      ``surrogateescape`` so the rest parses, and each row holding such bytes is a ``BadLine``.
+    """
+    with open(path, "rb") as f:
+        lines = enumerate(f, start=1)
+        offset = 0  # byte offset of the current line in the file
+        for line_no, raw in lines:  # up to the first non-blank line, which tells the layout
+            if line_no == 1 and raw.startswith(_UTF8_BOM):
+                offset, raw = len(_UTF8_BOM), raw[len(_UTF8_BOM) :]
+            if raw.strip():
+                break
+            offset += len(raw)
+        else:
+            return  # only blank lines: no rows
+        if raw.lstrip().startswith(b"["):
+            yield from _json_array_rows(path, raw + f.read(), line_no, offset)
+            return
+        yield _json_line(raw, line_no, offset)
+        offset += len(raw)
+        for line_no, raw in lines:
+            if raw.strip():
+                yield _json_line(raw, line_no, offset)
+            offset += len(raw)
+
+
+def _json_line(raw: bytes, line_no: int, offset: int) -> Any:
+    """One JSON Lines row from the bytes of line ``line_no`` (starting at byte ``offset``)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} of the file"
+        return BadLine(line_no, "not valid UTF-8", f"is not valid UTF-8 ({where})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadLine(line_no, "not valid JSON", f"is not valid JSON (column {e.pos + 1}: {e.msg})")
+
+
+def _json_array_rows(path: str, data: bytes, first_line: int, offset: int) -> Iterator[Any]:
+    """The rows of a JSON array (``data``: the file's bytes from line ``first_line``, byte ``offset``)."""
+    bad_utf8 = None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        bad_utf8 = f"byte 0x{data[e.start]:02x} at line {line}, byte offset {offset + e.start} of the file"
+        text = data.decode("utf-8", errors="surrogateescape")  # invalid bytes -> lone surrogates
+        # (rows holding one are found after parsing: their JSON text is not valid Unicode)
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        note = f"; it also holds bytes that are not UTF-8 (first: {bad_utf8})" if bad_utf8 else ""
+        raise SFTDataError(
+            f"{path}: not valid JSON (line {first_line + e.lineno - 1}, column {e.colno}: {e.msg}){note}"
+        ) from None
+    if not isinstance(rows, list):
+        raise SFTDataError(f"{path}: a JSON file starting with '[' must be an array of rows")
+    for row in rows:
+        if bad_utf8 is not None and _not_unicode(json.dumps(row, ensure_ascii=False)):
+            detail = f"holds bytes that are not valid UTF-8 (the file's first: {bad_utf8})"
+            yield BadLine(None, "not valid UTF-8", detail)
+        else:
+            yield row
+
+
+def iter_rows(source: str | Path, split: str) -> Iterator[Any]:
+    """Rows of ``source``: local JSON files through ``_json_rows``, the rest through ``datasets``.
+
+    A local file of 0 bytes is an error naming it (``datasets`` gives "generator raised
+    StopIteration" for it)."""
+    source = str(source)
+    fmt = _local_format(source)
+    if fmt is not None and os.path.getsize(source) == 0:
+        raise SFTDataError(f"{source}: the file is empty (0 bytes)")
+    if fmt == "json":
+        yield from _json_rows(source)
+        return
+    if fmt == "parquet":
+        _check_parquet(source)
+    yield from load_sft_rows(source, split)
+
+
+def _check_parquet(path: str) -> None:
+    """Read a local parquet file's footer before ``datasets`` does: it reports a truncated file
+    without naming it, and fails on a file with no rows ("BatchSize must be greater than 0")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise SFTDataError(f"{path}: not a readable parquet file, truncated or corrupt? ({e})") from e
+    if rows == 0:
+        raise SFTDataError(f"{path}: no rows (the parquet file holds none)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _type_name(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def _not_unicode(text: str) -> bool:
+    """True for a string holding a lone surrogate: JSON allows escapes such as "\\ud800", but no
+    tokenizer takes them (a TypeError naming no row)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_LONE_SURROGATE = "is not valid Unicode (a lone surrogate such as \\ud800)"
+
+
+def row_messages(row: Any) -> list[Message]:
+    """The validated ``messages`` of one row (``prompt``/``response`` rows are converted).
+
+    Raises ``Malformed`` with the reason: missing keys, unknown roles, non-string content, an empty
+    assistant turn, a dialogue that does not end with an assistant turn.
+    """
+    if not isinstance(row, dict):
+        raise Malformed(f"row is {_type_name(row)}, expected an object")
+    if row.get("messages") is not None:
+        raw = row["messages"]
+        if not isinstance(raw, list):
+            raise Malformed(f"'messages' is {_type_name(raw)}, expected a list")
+        if not raw:
+            raise Malformed("'messages' is empty")
+        messages = []
+        for k, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise Malformed(f"message {k} is {_type_name(m)}, expected an object with role and content")
+            role, content = m.get("role"), m.get("content")
+            if role is None:
+                raise Malformed(f"message {k} has no 'role'")
+            if not isinstance(role, str) or role not in ROLES:
+                expected = ", ".join(ROLES)
+                raise Malformed(f"message {k} has unknown role {role!r} (expected one of {expected})")
+            if content is None:
+                raise Malformed(f"message {k} ({role}) has no 'content'")
+            if not isinstance(content, str):
+                raise Malformed(f"message {k} ({role}) content is {_type_name(content)}, expected a string")
+            if _not_unicode(content):
+                raise Malformed(f"message {k} ({role}) content {_LONE_SURROGATE}")
+            if role == "assistant" and not content.strip():
+                raise Malformed(f"message {k} (assistant) is empty")
+            messages.append({"role": role, "content": content})
+        if messages[-1]["role"] != "assistant":
+            last = messages[-1]["role"]
+            raise Malformed(f"last message is {last!r}, expected an assistant turn to train on")
+        return messages
+    if row.get("prompt") is not None or row.get("response") is not None:
+        prompt, response, system = row.get("prompt"), row.get("response"), row.get("system")
+        for key, value in (("prompt", prompt), ("response", response)):
+            if not isinstance(value, str):
+                raise Malformed(f"'{key}' is {_type_name(value)}, expected a string")
+        if not response.strip():
+            raise Malformed("'response' is empty")
+        if system is not None and not isinstance(system, str):
+            raise Malformed(f"'system' is {_type_name(system)}, expected a string")
+        for key, value in (("prompt", prompt), ("response", response), ("system", system or "")):
+            if _not_unicode(value):
+                raise Malformed(f"'{key}' {_LONE_SURROGATE}")
+        messages = [{"role": "system", "content": system}] if system else []
+        return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    raise Malformed(f"row has neither 'messages' nor 'prompt'/'response' (keys: {sorted(row)})")
+
+
+MULTITURN = ("last", "expand", "sample")
+
+
+def conversation_pairs(
+    messages: Sequence[Message], multiturn: Literal["last", "expand", "sample"] = "last", draw: int = 0
+) -> list[tuple[list[Message], Message]]:
+    """(earlier turns, assistant turn) pairs to train on: the last one, one per assistant turn, or
+    the one at assistant turn ``draw % (number of assistant turns)`` for ``"sample"``."""
+    if multiturn == "last":
+        return [(list(messages[:-1]), messages[-1])]
+    pairs = [(list(messages[:k]), m) for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if multiturn == "expand":
+        return pairs
+    if multiturn == "sample":
+        return [pairs[draw % len(pairs)]]
+    raise ValueError(f"multiturn must be one of {MULTITURN}, got {multiturn!r}")
