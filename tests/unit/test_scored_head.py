@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mdlmpe_ds.config import build_config
+from mdlmpe_ds.cli import build_config
 from mdlmpe_ds.data.sft import SFTCollator, SFTExample
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
