@@ -38,6 +38,7 @@ from jsonargparse.typing import register_type
 
 from mdlmpe_ds import lora_spec
 from mdlmpe_ds.config import KEY_ALIASES, SECTIONS, RunConfig
+from mdlmpe_ds.hub.resolve import folded_dataset
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -371,11 +372,19 @@ def from_mapping(data: dict[str, Any], source: str = "config", base: RunConfig |
 
 def configure(base: RunConfig, config_file: str | None, overrides: dict[str, Any]) -> RunConfig:
     """``base`` (a launcher's complete config) <- config file <- command-line ``overrides`` (from
-    ``parse``), validated; ``base`` itself is not changed."""
+    ``parse``), validated; ``base`` itself is not changed. ``data.dataset_config`` is written into
+    ``data.dataset`` as ``name:config``, the one form runs and checkpoints record."""
     config = base
     if config_file is not None:
         config = apply(config, load_config_file(config_file), str(config_file))
-    return apply(config, overrides, "command line").validate()
+    config = apply(config, overrides, "command line")
+    d = config.data
+    if d.dataset_config:  # a hub dataset's config name is written into data.dataset as name:config
+        folded = dataclasses.replace(
+            d, dataset=folded_dataset(d.dataset, d.dataset_config), dataset_config=None
+        )
+        config = dataclasses.replace(config, data=folded)
+    return config.validate()
 
 
 def build_config(
