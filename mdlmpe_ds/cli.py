@@ -107,6 +107,14 @@ def canonical_key(key: str, source: str) -> str:
 class _Formatter(DefaultHelpFormatter):
     """jsonargparse's help, with each key's default (this launcher's) beside its flags."""
 
+    def _get_type_str(self, action: argparse.Action) -> str | None:
+        text = super()._get_type_str(action)
+        if text is None:
+            return None
+        text = text.replace("Number", "float")
+        optional = re.fullmatch(r"Optional\[(.*)\]", text)
+        return f"{optional.group(1)} | null" if optional else text
+
     def _format_action_invocation(self, action: argparse.Action) -> str:
         text = super()._format_action_invocation(action)
         if hasattr(action, "shown_default"):

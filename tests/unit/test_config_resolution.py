@@ -43,4 +43,7 @@ def test_launcher_configs_are_new_each_time():
     first.optim.lr = 1.0
     assert recipes.pretrain_config("llada-100m", 2).optim.lr == 1e-4
     sft = recipes.sft_config("llada-8b-sft")
-    assert sft.model.model_name_or_path == "GSAI-ML/LLaDA-8B-Base" and RunConfig().model.model_name_or_path is None
+    assert (
+        sft.model.model_name_or_path == "GSAI-ML/LLaDA-8B-Base"
+        and RunConfig().model.model_name_or_path is None
+    )
