@@ -52,26 +52,58 @@ class Number(float):
     non-finite value reaches validate(), which names the key (YAML's reading would refuse ``inf``)."""
 
 
+class Switch:
+    """A bool field on the command line: true/false, yes/no, on/off, 1/0 (any case)."""
+
+
+class Null:
+    """None in an ``X | None`` field: ``null`` or ``none`` (any case)."""
+
+
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected a number, got {value!r}")
     return float(value)
 
 
-register_type(Number, float, _number)  # jsonargparse's registry of types (a dict entry)
+def _switch(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _null(value: Any) -> None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        return None
+    raise ValueError("expected null")
+
+
+# jsonargparse's registry of types (dict entries): how the command line reads these three.
+register_type(Number, float, _number)
+register_type(Switch, bool, _switch)
+register_type(Null, lambda value: None, _null)
 
 
 def _cli_type(annotation: Any) -> Any:
-    """A field's annotation with ``float`` read as ``Number`` (inside ``X | None`` and tuples too)."""
+    """A field's annotation as the command line reads it: ``float`` as ``Number``, ``bool`` as
+    ``Switch``, the None of ``X | None`` as ``Null`` (inside tuples too)."""
     if annotation is float:
         return Number
+    if annotation is bool:
+        return Switch
     args = typing.get_args(annotation)
     if not args:
         return annotation
-    mapped = tuple(_cli_type(a) for a in args)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return typing.Union[mapped]  # noqa: UP007 (built from a tuple of types)
-    return typing.get_origin(annotation)[mapped]
+        others = tuple(_cli_type(a) for a in args if a is not type(None))
+        nullable = (Null,) if type(None) in args else ()
+        return typing.Union[(*nullable, *others)]
+    return typing.get_origin(annotation)[tuple(_cli_type(a) for a in args)]
 
 
 def owners() -> dict[str, list[str]]:
@@ -111,8 +143,8 @@ class _Formatter(DefaultHelpFormatter):
         text = super()._get_type_str(action)
         if text is None:
             return None
-        text = text.replace("Number", "float")
-        optional = re.fullmatch(r"Optional\[(.*)\]", text)
+        text = text.replace("Number", "float").replace("Switch", "bool").replace("<class 'bool'>", "bool")
+        optional = re.fullmatch(r"Union\[Null, (.*)\]", text)
         return f"{optional.group(1)} | null" if optional else text
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
@@ -262,7 +294,8 @@ def _readable(err: Exception, source: str, given: dict[str, Any] | None = None) 
         value = (given or {}).get(bad.group(1), found.group(1) if found else "?")
         expected = re.findall(r"Expected a <class '(\w+)'>|Not of type (\w+)", text)
         kinds = [a or b for a, b in expected if (a or b) != "NoneType"]
-        want = "a number" if "Number" in kinds else " or ".join(kinds)
+        names = {"Number": "a number", "Switch": "true or false", "Null": "null"}
+        want = " or ".join(names.get(k, k) for k in kinds)
         why = f"expected {want}" if kinds else "wrong type"
         return ValueError(f"{source}: bad value {value!r} for {key}: {why}")
     unknown = re.match(r"unrecognized arguments: (\S+)", text, re.I)
