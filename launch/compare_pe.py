@@ -26,62 +26,52 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The tiny CPU comparison: launch/pretrain.py's demo defaults, trained longer. Applied only to keys
-# that neither the user (flags, --config) nor a recipe (--recipe, or --preset llada-100m|dream-100m)
-# sets, and each one is printed.
-COMPARE_DEFAULTS = {"train.max_steps": 300, "train.save_every": 150}
 
 
 def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
-    """(flags compare adds to every run, one line naming each). Never a key the user or a recipe set."""
-    from mdlmpe_ds import config, recipes
-    from mdlmpe_ds.runs.pretrain import PRETRAIN_DEFAULTS, pretrain_recipe
+    """(flags compare adds to every run, one line naming each): recipes.COMPARE_LONGER's keys that
+    neither the user (flags, --config) nor a recipe (--recipe, or --preset llada-100m|dream-100m) sets."""
+    from mdlmpe_ds import cli, recipes
 
-    recipe, rest = recipes.pop_recipe(forwarded)
-    file = None
-    if "--config" in rest:
-        file = rest[rest.index("--config") + 1]
-        rest = [t for i, t in enumerate(rest) if t != "--config" and (i == 0 or rest[i - 1] != "--config")]
-    given = {".".join(config.resolve_key(k, "command line")) for k in config.parse_overrides(rest)}
-    if file is not None:
-        given |= {".".join(config.resolve_key(k, file)) for k in config.load_config_file(file)}
-    preset = next((rest[i + 1] for i, t in enumerate(rest[:-1]) if t in ("--preset", "--model.preset")), None)
-    applied = pretrain_recipe(preset, recipe)
+    flags, overrides = cli.parse(_pretrain_parser(), forwarded)
+    written = cli.load_config_file(flags["config"]) if flags["config"] is not None else {}
+    given = set(overrides) | set(written)
+    preset = overrides.get("model.preset", written.get("model.preset"))
+    applied = recipes.pretrain_recipe(preset, flags["recipe"])
     if applied is not None:
         given |= set(recipes.get(applied).values)
-    flags, notes = [], []
-    for key, value in COMPARE_DEFAULTS.items():
+    demo = recipes.pretrain_demo().flat()
+    extra, notes = [], []
+    for key, value in recipes.COMPARE_LONGER.items():
         if key in given:
             continue
         name = key.split(".", 1)[1]
-        flags += [f"--{name}", str(value)]
+        extra += [f"--{name}", str(value)]
         notes.append(
             f"[compare] sets --{name} {value} for every run (launch/pretrain.py's default is "
-            f"{PRETRAIN_DEFAULTS.get(key)}); pass --{name} to choose another value"
+            f"{demo[key]}); pass --{name} to choose another value"
         )
-    return flags, notes
+    return extra, notes
 
 
 def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds_config: str):
     """The RunConfig launch/pretrain.py would build for one matched run (for --dry-run)."""
-    from mdlmpe_ds import compare, launching, recipes
-    from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.runs.pretrain import pretrain_defaults
+    from mdlmpe_ds import cli, compare, launching, recipes
 
     cmd = compare.pretrain_command(
         [], encoding, seed, compare.run_dir(out, encoding, seed), ds_config, forwarded
     )
-    tokens = cmd[4:-2]  # drop "-m mdlmpe_ds.runs.pretrain --deepspeed DS" and "--resume auto"
-    recipe, tokens = recipes.pop_recipe(tokens)
-    file = None
-    if "--config" in tokens:
-        i = tokens.index("--config")
-        file, tokens = tokens[i + 1], tokens[:i] + tokens[i + 2 :]
-    preset = next(
-        (tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t in ("--preset", "--model.preset")), None
-    )
+    flags, overrides = cli.parse(_pretrain_parser(), cmd[1:])  # the arguments after the script
     world = launching.dry_run_world_size()
-    return build_config(file, tokens, defaults=pretrain_defaults(preset, world, recipe)), cmd
+    return recipes.pretrain_run(flags["config"], flags["recipe"], overrides, world), cmd
+
+
+def _pretrain_parser():
+    """launch/pretrain.py's parser (its run flags and config keys, with its defaults)."""
+    from mdlmpe_ds import cli, recipes
+
+    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
+    return cli.config_parser(None, recipes.pretrain_demo(), "pretrain", names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     # No prefix matching: --seed (a training key, forwarded) must not be read as --seeds.
     epilog = None
     if {"-h", "--help"} & set(argv if argv is not None else sys.argv[1:]):
-        from mdlmpe_ds.config import help_text
-        from mdlmpe_ds.runs.pretrain import PRETRAIN_DEFAULTS
-
-        epilog = "every run also takes launch/pretrain.py's keys:\n" + help_text(
-            PRETRAIN_DEFAULTS, recipes=["llada-100m", "dream-100m"]
+        epilog = (
+            "every run also takes launch/pretrain.py's flags and keys:\n" + _pretrain_parser().format_help()
         )
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],

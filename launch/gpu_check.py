@@ -57,7 +57,7 @@ def smoke_flags(data_dir: Path, length: int, micro_batch: int, output_dir: Path)
 def plan(flags: list[str], deepspeed_config: Path) -> float:
     """[1/4]: the dry run of the smoke run (prints model, batch and memory plan); returns the
     plan's total GiB per GPU."""
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.runs.sft import run_sft
 
     os.environ.setdefault("WORLD_SIZE", "1")

@@ -28,20 +28,63 @@ same window, whatever the encoding. Other flags as launch/sft.py: ``--config``, 
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
+from pathlib import Path
 
 from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
 
 
 def main(argv: list[str] | None = None, faults=None) -> int:
-    """The command line of mdlmpe_ds/runs/pretrain.py (``faults``: test hooks, mdlmpe_ds/faults.py)."""
-    from mdlmpe_ds.faults import NO_FAULTS
-    from mdlmpe_ds.runs.pretrain import main as pretrain_main
+    """The pretraining command line: parse, re-launch on CPU ranks, build the config (recipe and
+    demo under file and flags), run, and print the summary on rank 0. ``faults``: test hooks
+    (mdlmpe_ds/faults.py); production passes none."""
+    from mdlmpe_ds import cli, recipes
 
     argv = sys.argv[1:] if argv is None else argv
-    return pretrain_main(
-        argv, script=__file__, description=__doc__.split("\n\n")[0], faults=faults or NO_FAULTS
-    )
+    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
+    parser = cli.config_parser(__doc__.split("\n\n")[0], recipes.pretrain_demo(), "pretrain", names)
+    flags, overrides = cli.parse(parser, argv)
+    args = launching.RunFlags(**flags)
+    launching.prepare_process()
+    ranks = launching.ranks_to_relaunch(args.dry_run)
+    if ranks:
+        return launching.relaunch(__file__, ranks, argv)
+
+    from mdlmpe_ds.faults import NO_FAULTS
+    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.runs.pretrain import run_pretrain, write_summary
+
+    configure()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = recipes.pretrain_run(args.config, args.recipe, overrides, world)
+    applied = recipes.pretrain_recipe(run.model.preset, args.recipe)
+    if applied and os.environ.get("RANK", "0") == "0":
+        print(recipes.describe(recipes.get(applied), run, world), flush=True)
+
+    def report(summary: dict) -> None:
+        out = Path(run.train.output_dir).resolve()
+        if summary["finished"]:
+            write_summary(out, summary)
+        val = summary.get("validation")
+        lines = [
+            f"\n{launching.outcome(summary, run.train.stop_at)} ({summary['epochs']:.2f} epochs of "
+            f"{summary['tokens_per_epoch']:,} tokens planned)",
+        ]
+        if val:
+            lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
+        lines += [
+            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
+            f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
+            "resume with:      "
+            + launching.resume_command("launch/pretrain.py", args.deepspeed, argv, args.config),
+            f"evaluate with:    python launch/evaluate.py {out}",
+        ]
+        print("\n".join(lines), flush=True)
+
+    job = functools.partial(run_pretrain, faults=faults or NO_FAULTS)
+    return launching.run_job(job, run, args, report)
 
 
 if __name__ == "__main__":

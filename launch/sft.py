@@ -35,43 +35,35 @@ from pathlib import Path
 from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
 
 
-def _help(argv: list[str]) -> str | None:
-    """Every training-config key, for --help only (built from the typed config)."""
-    if not {"-h", "--help"} & set(argv):
-        return None
-    from mdlmpe_ds import recipes
-    from mdlmpe_ds.config import help_text
-
-    return help_text(recipes=[n for n, r in recipes.RECIPES.items() if r.launcher == "sft"])
-
-
 def main(argv: list[str] | None = None, faults=None) -> int:
     """Parse, re-launch on CPU ranks, build the config, run, print the summary on rank 0.
     ``faults``: test hooks (mdlmpe_ds/faults.py); production passes none."""
+    from mdlmpe_ds import cli, recipes
+
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = launching.base_parser(__doc__.split("\n\n")[0], _help(argv)).parse_known_args(argv)
+    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "sft"]
+    parser = cli.config_parser(__doc__.split("\n\n")[0], recipes.sft_config(), "sft", names)
+    flags, overrides = cli.parse(parser, argv)
+    args = launching.RunFlags(**flags)
     launching.prepare_process()
     ranks = launching.ranks_to_relaunch(args.dry_run)
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
-    from mdlmpe_ds import recipes
-    from mdlmpe_ds.config import build_config
     from mdlmpe_ds.faults import NO_FAULTS
     from mdlmpe_ds.log_setup import configure
     from mdlmpe_ds.runs.sft import run_sft
 
     configure()
 
-    recipe, rest = recipes.pop_recipe(rest)
-    chosen = recipes.get(recipe, "sft") if recipe else None
-    run = build_config(args.config, rest, defaults=chosen.defaults() if chosen else None)
+    chosen = recipes.get(args.recipe, "sft") if args.recipe else None
+    run = cli.configure(recipes.sft_config(args.recipe), args.config, overrides)
     if chosen and os.environ.get("RANK", "0") == "0":
         print(recipes.describe(chosen, run), flush=True)
 
     def report(summary: dict) -> None:
         out = Path(run.train.output_dir).resolve()
-        resume = launching.resume_command("launch/sft.py", args.deepspeed, rest, args.config)
+        resume = launching.resume_command("launch/sft.py", args.deepspeed, argv, args.config)
         print(
             f"\n{launching.outcome(summary, run.train.stop_at)}",
             f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"

@@ -4,8 +4,8 @@ same corpora with the same masks, and summarise mean ± std over seeds.
 
 Matched runs differ only in the position module: for one seed, every encoding gets the same
 ``train.seed`` (initial-weight RNG, data order, corruption draws keyed by window index), the same
-tokenizer, optimizer, schedule and length. Each run is its own pretraining job, the command line of
-``mdlmpe_ds.runs.pretrain`` run as a module (its own processes, checkpoints and TensorBoard under
+tokenizer, optimizer, schedule and length. Each run is its own pretraining job, the user's pretraining
+command ``launch/pretrain.py`` run as a subprocess (its own processes, checkpoints and TensorBoard under
 ``<out>/runs/<encoding>-seed<seed>``) started with ``--resume auto``: an interrupted comparison
 picks up where it stopped, finished runs (a ``summary.json``) and finished evaluations (an
 ``eval.json`` with the same settings) are reused.
@@ -28,7 +28,8 @@ from typing import Any
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN_MODULE = "mdlmpe_ds.runs.pretrain"
+# The pretraining command every run executes, from the repository root (a subprocess, never imported).
+PRETRAIN_SCRIPT = "launch/pretrain.py"
 SUMMARY = "summary.json"
 EVAL = "eval.json"
 
@@ -65,14 +66,12 @@ def run_dir(out: Path, encoding: str, seed: int) -> Path:
 def pretrain_command(
     launcher: list[str], encoding: str, seed: int, directory: Path, ds_config: str, forwarded: list[str]
 ) -> list[str]:
-    """The pretraining command of one matched run (``forwarded``: the user's extra flags): the
-    ``mdlmpe_ds.runs.pretrain`` module under ``launcher`` (python's ``-m``; a distributed launcher's
-    ``--module``)."""
+    """The pretraining command of one matched run (``forwarded``: the user's extra flags):
+    launch/pretrain.py under ``launcher`` (python, or a distributed launcher)."""
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
     spec = ENCODINGS[encoding]
-    flag = "-m" if not launcher or Path(launcher[0]).name.startswith("python") else "--module"
-    cmd = [*launcher, flag, PRETRAIN_MODULE, "--deepspeed", ds_config, *forwarded]
+    cmd = [*launcher, PRETRAIN_SCRIPT, "--deepspeed", ds_config, *forwarded]
     cmd += ["--position_encoding", spec["position_encoding"]]
     if "mdlmpe" in spec:
         cmd += ["--model.mdlmpe", json.dumps(spec["mdlmpe"])]

@@ -1,5 +1,6 @@
-"""What the training launchers (launch/sft.py, launch/pretrain.py, launch/compare_pe.py) share:
-their common flags, the CPU re-launch under torchrun, and the worker's exit.
+"""What the training launchers (launch/sft.py, launch/pretrain.py, launch/compare_pe.py) share
+besides parsing (mdlmpe_ds/cli.py): their run flags as a value, the CPU re-launch under torchrun,
+the resume command, and the worker's exit.
 
 On a CPU-only machine the `deepspeed` launcher starts one rank (one "device"); the scripts then
 re-launch themselves with 2 ranks under torchrun (``MDLMPE_DS_CPU_RANKS`` sets how many; 1 keeps
@@ -8,13 +9,13 @@ one), so the embedded defaults exercise real data parallelism. On GPU nodes noth
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,39 +38,19 @@ _LAUNCHER_ENV = (
 )
 
 
-def base_parser(description: str, epilog: str | None = None) -> argparse.ArgumentParser:
-    """--deepspeed, --local_rank (accepted, ignored), --config, --dry-run, --resume; ``epilog``: the
-    training-config keys for --help (``config.help_text``)."""
-    # No prefix matching: a training key such as --seed must never be taken for a launcher flag.
-    parser = argparse.ArgumentParser(
-        description=description,
-        allow_abbrev=False,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--deepspeed", default=str(REPO / "ds_configs" / "zero3.json"), help="DeepSpeed JSON config"
-    )
-    parser.add_argument(
-        "--local_rank",
-        "--local-rank",
-        type=int,
-        default=None,
-        help="set by launchers; ignored (the environment's LOCAL_RANK is the source of truth)",
-    )
-    parser.add_argument("--config", default=None, help="training config file (.json/.yaml)")
-    parser.add_argument("--dry-run", "--dry_run", action="store_true", dest="dry_run")
-    parser.add_argument("--resume", default=None, help="'auto' or a checkpoint directory")
-    parser.add_argument(
-        "--allow_config_change",
-        "--allow-config-change",
-        action="append",
-        default=[],
-        metavar="KEY[,KEY...]",
-        help="on resume, continue although KEY differs from the checkpoint's run config where "
-        "docs/resume.md refuses the change (repeatable)",
-    )
-    return parser
+@dataclass(frozen=True)
+class RunFlags:
+    """A launcher's flags that are not config keys (mdlmpe_ds/cli.py parses them): the DeepSpeed
+    config, the launcher's --local_rank (ignored: the environment's LOCAL_RANK is the source of
+    truth), the config file, --dry-run, --resume, --allow_config_change, --recipe."""
+
+    deepspeed: str
+    local_rank: int | None = None
+    config: str | None = None
+    dry_run: bool = False
+    resume: str | None = None
+    allow_config_change: list[str] = field(default_factory=list)
+    recipe: str | None = None
 
 
 def free_port() -> int:
@@ -140,7 +121,8 @@ def resume_command(script: str, deepspeed_config: str, rest: list[str], config: 
     ``--resume auto``, minus the ones a resume must not repeat (``--resume``,
     ``--overwrite_output_dir``) and ``--stop_at`` (repeated, it would stop again at once)."""
     drop = ("--resume", "--overwrite_output_dir", "--train.overwrite_output_dir")
-    drop += ("--stop_at", "--train.stop_at")
+    drop += ("--stop_at", "--train.stop_at", "--deepspeed", "--config", "--local_rank", "--local-rank")
+    switches = ("--dry-run", "--dry_run")  # flags without a value
     kept, skip = [], False
     for arg in rest:
         if skip:
@@ -150,7 +132,8 @@ def resume_command(script: str, deepspeed_config: str, rest: list[str], config: 
         if name in drop:
             skip = "=" not in arg
             continue
-        kept.append(arg)
+        if name not in switches:
+            kept.append(arg)
     head = ["deepspeed", script, "--deepspeed", deepspeed_config, *(["--config", config] if config else [])]
     return shlex.join([*head, *kept, "--resume", "auto"])
 

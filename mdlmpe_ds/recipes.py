@@ -1,9 +1,13 @@
-"""The paper's recipes as one flag: ``--recipe NAME``.
+"""Where every launcher's config comes from: functions that return a complete `RunConfig`.
 
-A recipe is a set of training-config values, each with the place that states it (the paper's
-Appendix B.3 / B.4, or docs/models.md for what the paper leaves open). It sits under the config file
-and the command line (``build_config(defaults=...)``): any key given there wins, and the launcher
-prints every value the recipe set and which ones were overridden.
+``sft_config(recipe)`` (launch/sft.py: the dataclass defaults, the embedded CPU demo),
+``pretrain_config(preset, world, recipe)`` (launch/pretrain.py: the Shakespeare demo) and
+``compare_config(...)`` (launch/compare_pe.py: the pretraining demo trained longer). The config file
+and the command line sit on top of the returned config (mdlmpe_ds/cli.py).
+
+The paper's recipes (``--recipe NAME``) are tables of training-config values, each with the place
+that states it (the paper's Appendix B.3 / B.4, or docs/models.md for what the paper leaves open);
+the launcher prints every value the recipe set and which ones the file or flags overrode.
 
 - ``llada-8b-sft``, ``dream-7b-sft``: SFT of the public checkpoints (launch/sft.py);
 - ``llada-100m``, ``dream-100m``: from-scratch pretraining (launch/pretrain.py). ``--preset
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from mdlmpe_ds import cli
+from mdlmpe_ds.config import DataConfig, ModelChoice, OptimConfig, RunConfig, TrainConfig
 
 B4 = "paper App. B.4"
 B3 = "paper App. B.3"
@@ -143,24 +150,6 @@ def batch_split(recipe: Recipe, world: int) -> dict[str, Any]:
     return {"train.micro_batch_size": micro, "train.grad_accum": per_rank // micro}
 
 
-def pop_recipe(tokens: list[str]) -> tuple[str | None, list[str]]:
-    """Take ``--recipe NAME`` / ``--recipe=NAME`` out of a launcher's remaining flags."""
-    rest, name, i = [], None, 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token == "--recipe":
-            if i + 1 >= len(tokens):
-                raise ValueError("command line: --recipe needs a name: " + ", ".join(RECIPES))
-            name, i = tokens[i + 1], i + 2
-            continue
-        if token.startswith("--recipe="):
-            name = token.split("=", 1)[1]
-        else:
-            rest.append(token)
-        i += 1
-    return name, rest
-
-
 def describe(recipe: Recipe, run: Any, world: int | None = None) -> str:
     """One line per value the recipe sets: the value in effect, its source, and whether a config
     file or the command line overrode it."""
@@ -177,3 +166,79 @@ def describe(recipe: Recipe, run: Any, world: int | None = None) -> str:
         note = "" if actual == value else f"   (overridden: recipe says {value!r})"
         lines.append(f"  {key} = {actual!r}   [{source}]{note}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the launchers' configs
+def sft_config(recipe: str | None = None) -> RunConfig:
+    """launch/sft.py's config: the embedded CPU demo (the dataclass defaults), or a paper recipe."""
+    config = RunConfig()
+    if recipe is not None:
+        config = cli.from_mapping(get(recipe, "sft").defaults(), f"recipe {recipe}", base=config)
+    return config
+
+
+def pretrain_demo() -> RunConfig:
+    """launch/pretrain.py's embedded CPU demo: the tiny LLaDA-family model on Shakespeare's works,
+    held-out works for validation, MDLMPE on every head from the first update."""
+    return RunConfig(
+        model=ModelChoice(preset="llada-tiny"),
+        data=DataConfig(
+            dataset="shakespeare", validation="shakespeare-heldout", max_len=128, tokenizer_vocab=2048
+        ),
+        optim=OptimConfig(lr=3e-3, betas=(0.9, 0.999), warmup_ratio=0.05),
+        train=TrainConfig(
+            micro_batch_size=4,
+            max_steps=60,
+            save_every=30,
+            eval_every=30,
+            head_schedule=False,
+            output_dir="outputs/pretrain-demo",
+        ),
+    )
+
+
+PRETRAIN_PRESETS = tuple(name for name, r in RECIPES.items() if r.launcher == "pretrain")
+PAPER_GLOBAL_BATCH = 16
+
+
+def pretrain_recipe(preset: str | None, recipe: str | None) -> str | None:
+    """The recipe a pretraining run applies: ``--recipe``, else a ``--preset`` that has one."""
+    if recipe is not None:
+        get(recipe, "pretrain")
+        return recipe
+    return preset if preset in PRETRAIN_PRESETS else None
+
+
+def pretrain_config(preset: str | None, world: int, recipe: str | None = None) -> RunConfig:
+    """launch/pretrain.py's config: the recipe's values (``--recipe``, or a ``--preset`` with a
+    recipe) over the CPU demo's, the preset named.
+
+    The recipe's global batch of 16 is micro-batch 4 x gradient accumulation on 1, 2 or 4 ranks; on
+    8 or 16 ranks micro-batches of 2 or 1 (the shipped ds configs say "auto"; one that sets the
+    batch explicitly must agree)."""
+    config = pretrain_demo()
+    name = pretrain_recipe(preset, recipe)
+    if name is not None:
+        chosen = get(name, "pretrain")
+        values = {**chosen.defaults(), **batch_split(chosen, world)}
+        config = cli.from_mapping(values, f"recipe {name}", base=config)
+    if preset is not None:
+        config = cli.from_mapping({"model.preset": preset}, "--preset", base=config)
+    return config
+
+
+def pretrain_run(
+    config_file: str | None, recipe: str | None, overrides: dict[str, Any], world: int
+) -> RunConfig:
+    """A pretraining run's config from its parsed command line (mdlmpe_ds/cli.py ``parse``): the
+    preset (the command line's ``--preset``, else the config file's) picks the recipe; the recipe
+    over the demo, under the file and the flags, validated."""
+    preset = overrides.get("model.preset")
+    if preset is None and config_file is not None:
+        preset = cli.load_config_file(config_file).get("model.preset")
+    return cli.configure(pretrain_config(preset, world, recipe), config_file, overrides)
+
+
+# The tiny CPU comparison: the pretraining demo trained longer. Applied only to keys that neither
+# the user (flags, --config) nor a recipe sets; launch/compare_pe.py prints each one it applies.
+COMPARE_LONGER = {"train.max_steps": 300, "train.save_every": 150}

@@ -170,13 +170,12 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
 def parse_allowed(values: list[str] | None) -> set[str]:
     """``--allow_config_change`` values (repeated and/or comma lists) -> full key names; an unknown
     key is an error listing the refused ones."""
-    from mdlmpe_ds.config import resolve_key
+    from mdlmpe_ds.cli import canonical_key  # the command line's key names
 
     out = set()
     for value in values or []:
         for item in filter(None, (v.strip() for v in value.split(","))):
-            section, name = resolve_key(item, "--allow_config_change")
-            out.add(f"{section}.{name}")
+            out.add(canonical_key(item, "--allow_config_change"))
     return out
 
 

@@ -8,7 +8,7 @@ checkpoints or an exported model, and a run may resume with another one.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # "auto": the fused Triton kernel on CUDA tensors, the blocked path elsewhere (the CPU), chosen per
@@ -30,11 +30,25 @@ class AttentionImpl:
     most one launch of the Triton kernels holds in its transient alpha / beta / dE/d delta buffers
     (3 |M| L^2 fp32 per sequence); a sequence over it runs in row blocks (same numbers)."""
 
-    backend: str = "auto"
-    query_block: int = 128
-    tile: int | None = None
-    compile: bool = False
-    pair_buffer_gib: float = 6.0
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": f"MDLMPE attention, one of {ATTENTION_BACKENDS}; auto: triton on CUDA, else blocked"
+        },
+    )
+    query_block: int = field(
+        default=128, metadata={"help": "query rows per block of the blocked MDLMPE attention"}
+    )
+    tile: int | None = field(
+        default=None, metadata={"help": "Triton kernel tile (a power of 2, <= 64); None: chosen per GPU"}
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "run the blocked MDLMPE attention through torch.compile (same numbers)"},
+    )
+    pair_buffer_gib: float = field(
+        default=6.0, metadata={"help": "most GiB of the Triton kernels' transient pair buffers per launch"}
+    )
 
     def validate(self) -> AttentionImpl:
         def bad(key: str, why: str) -> ValueError:

@@ -154,6 +154,12 @@ def split_dataset_name(source: str, config: str | None = None) -> tuple[str, str
     return name, config or named or None
 
 
+def folded_dataset(source: str, config: str | None) -> str:
+    """``source`` with its config name: 'org/x' + 'all' -> 'org/x:all' (unchanged without one)."""
+    name, named = split_dataset_name(source, config)
+    return f"{name}:{named}" if named and config else source
+
+
 def _tokenizer_revision(run) -> str | None:
     """``model.revision`` pins the tokenizer too when it comes from the model's own repo."""
     m, d = run.model, run.data
@@ -165,17 +171,15 @@ def _tokenizer_revision(run) -> str | None:
 
 def local_run(run, config_only: bool = False):
     """A copy of ``run`` whose model and tokenizer hub ids are replaced by local snapshot directories
-    (rank 0 downloads first); ``run`` itself is left as the user wrote it. ``data.dataset_config``
-    is folded into ``data.dataset`` as ``name:config`` (the form the data loaders read) in both.
-    ``config_only``: fetch the model's config.json alone and leave the tokenizer unresolved."""
+    (rank 0 downloads first), ``data.dataset_config`` folded into ``data.dataset`` as ``name:config``
+    (the form the data loaders read; the command line builds it so already); ``run`` itself is never
+    changed. ``config_only``: fetch the model's config.json alone and leave the tokenizer unresolved."""
     import copy
 
-    d = run.data
-    if d.dataset_config:
-        name, config = split_dataset_name(d.dataset, d.dataset_config)
-        d.dataset, d.dataset_config = f"{name}:{config}", None
     local = copy.deepcopy(run)
     m, ld = local.model, local.data
+    if ld.dataset_config:
+        ld.dataset, ld.dataset_config = folded_dataset(ld.dataset, ld.dataset_config), None
     if m.model_name_or_path is not None and not Path(m.model_name_or_path).exists():
         fetch = resolve_config if config_only else resolve_model
         m.model_name_or_path = str(fetch(m.model_name_or_path, m.revision))

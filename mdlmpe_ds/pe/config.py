@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from mdlmpe_ds.compat import MDLMPE_MOVED_KEYS
@@ -45,28 +45,53 @@ class MDLMPEConfig:
     uses the W the model was trained with.
     """
 
-    max_seq_len: int = 1024
-    window_ratio: float = 3 / 16
-    rho: float = 0.25
+    max_seq_len: int = field(
+        default=1024, metadata={"help": "L_ref: the window W = round(window_ratio * L_ref) is fixed by it"}
+    )
+    window_ratio: float = field(default=3 / 16, metadata={"help": "Gaussian window as a fraction of L_ref"})
+    rho: float = field(default=0.25, metadata={"help": "Gaussian width sigma = max(rho * W, 1) (Eq. (2))"})
     # Denominator safeguard of Eq. (22) and of D (Eq. (16)).
-    eps: float = 1e-6
+    eps: float = field(
+        default=1e-6, metadata={"help": "denominator safeguard of Eq. (22) and of D (Eq. (16))"}
+    )
     # arccos argument is clipped to [-1 + kappa, 1 - kappa] (Eq. (37), docs/method.md "Pair feature").
-    clip_kappa: float = 1e-4
-    gamma_max: float = 0.10
-    gamma_init: float = 0.01
-    tau_max: float = 0.25
+    clip_kappa: float = field(
+        default=1e-4, metadata={"help": "arccos argument clipped to [-1 + kappa, 1 - kappa] (Eq. (37))"}
+    )
+    gamma_max: float = field(
+        default=0.10,
+        metadata={"help": "embedding gate bound: gamma = gamma_max * sigmoid(g) (Eq. (11))"},
+    )
+    gamma_init: float = field(default=0.01, metadata={"help": "the embedding gate gamma at initialisation"})
+    tau_max: float = field(
+        default=0.25,
+        metadata={"help": "phase residual bound: delta = tau_max * tanh(MLP(s)) (Eq. (25))"},
+    )
     # Hidden width H of the phase MLP; None means max(16, F / 2).
-    phase_hidden: int | None = None
+    phase_hidden: int | None = field(
+        default=None, metadata={"help": "hidden width H of the phase MLP; None: max(16, F / 2)"}
+    )
     # --- ablation switches (paper Table 4, Appendix C) ---
     # False: no Gaussian window; each token summarises only its own state (w = identity).
-    use_gaussian: bool = True
+    use_gaussian: bool = field(
+        default=True, metadata={"help": "false: no Gaussian window, each token summarises only its own state"}
+    )
     # "sine": c = (1 + sin(t w_f)) / 2 (the method); "mlp": a learned non-negative coordinate
     # (Appendix C "MLP instead of basis"); "none": c = 1 for every pair (binary/Gaussian only).
-    coordinate: str = "sine"
-    use_embedding: bool = True
+    coordinate: str = field(
+        default="sine",
+        metadata={"help": "sine: c = (1 + sin(t w_f)) / 2; mlp: a learned coordinate; none: c = 1"},
+    )
+    use_embedding: bool = field(
+        default=True,
+        metadata={"help": "false: no gated availability embedding (the embedding path)"},
+    )
     # Who owns the phase MLP: each layer ("per_layer") or the model ("shared", one for all layers).
     # Configs stored before this key existed read as "per_layer" (the dataclass default).
-    phase_mlp: str = "per_layer"
+    phase_mlp: str = field(
+        default="per_layer",
+        metadata={"help": "who owns the phase MLP: each layer (per_layer) or the model (shared)"},
+    )
 
     def validate(self) -> MDLMPEConfig:
         def bad(key: str, why: str) -> ValueError:

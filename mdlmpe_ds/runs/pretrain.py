@@ -1,8 +1,7 @@
 """A pretraining run assembled (paper §4.3, Appendix B): the tokenizer (``data.tokenizer``, else the
 model directory's, else a SentencePiece BPE of ``data.tokenizer_vocab`` pieces trained on the corpus
 and cached by content), the packed corpus and validation windows, the engine, the pretraining task
-and the trainer (``run_pretrain``); and the pretraining command line (``main``), which
-launch/pretrain.py and the encoding comparison (``python -m mdlmpe_ds.runs.pretrain``) both run.
+and the trainer (``run_pretrain``). Its command line is launch/pretrain.py's.
 """
 
 from __future__ import annotations
@@ -14,68 +13,15 @@ import math
 import os
 import shutil
 import socket
-import sys
 from pathlib import Path
-from typing import Any
 
 from mdlmpe_ds import engine as eng
-from mdlmpe_ds import launching, recipes
 from mdlmpe_ds.config import RunConfig
 from mdlmpe_ds.faults import NO_FAULTS, Faults
 from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, store_dir
 from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
 
 log = logging.getLogger(__name__)
-
-# Defaults of launch/pretrain.py: the embedded CPU demo (tiny LLaDA-family model on Shakespeare).
-PRETRAIN_DEFAULTS: dict[str, Any] = {
-    "model.preset": "llada-tiny",
-    "data.dataset": "shakespeare",
-    "data.validation": "shakespeare-heldout",
-    "data.max_len": 128,
-    "data.tokenizer_vocab": 2048,
-    "optim.lr": 3e-3,
-    "optim.betas": (0.9, 0.999),
-    "optim.warmup_ratio": 0.05,
-    "train.micro_batch_size": 4,
-    "train.max_steps": 60,
-    "train.save_every": 30,
-    "train.eval_every": 30,
-    "train.head_schedule": False,
-    "train.output_dir": "outputs/pretrain-demo",
-}
-
-# Paper Appendix B.3 (AdamW lr 1e-4, betas 0.9/0.999, weight decay 0.01, cosine, 2K warmup steps,
-# effective batch 16, L = 1024, 200K steps, MDLMPE on every head from the start): the llada-100m and
-# dream-100m recipes of mdlmpe_ds/recipes.py, which a --preset of that name applies as --recipe does.
-RECIPE_PRESETS = tuple(name for name, r in recipes.RECIPES.items() if r.launcher == "pretrain")
-PAPER_GLOBAL_BATCH = 16
-
-
-def pretrain_recipe(preset: str | None, recipe: str | None) -> str | None:
-    """The recipe a pretraining run applies: ``--recipe``, else a ``--preset`` that has one."""
-    if recipe is not None:
-        recipes.get(recipe, "pretrain")
-        return recipe
-    return preset if preset in RECIPE_PRESETS else None
-
-
-def pretrain_defaults(preset: str | None, world: int, recipe: str | None = None) -> dict[str, Any]:
-    """Launcher defaults: the recipe's values (``--recipe``, or a ``--preset`` with a recipe) over the
-    CPU demo's. Config files and flags override them.
-
-    The recipe's global batch of 16 is micro-batch 4 x gradient accumulation on 1, 2 or 4 ranks; on
-    8 or 16 ranks micro-batches of 2 or 1 (the shipped ds configs say "auto"; one that sets the
-    batch explicitly must agree)."""
-    defaults = dict(PRETRAIN_DEFAULTS)
-    name = pretrain_recipe(preset, recipe)
-    if name is not None:
-        chosen = recipes.get(name, "pretrain")
-        defaults.update(chosen.defaults())
-        defaults.update(recipes.batch_split(chosen, world))
-    if preset is not None:
-        defaults["model.preset"] = preset
-    return defaults
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -236,94 +182,8 @@ def run_pretrain(
     return assemble_and_train(PRETRAIN, run, ds_config_path, resume, dry_run, faults, allow_changes)
 
 
-# ------------------------------------------------------------------------------------ command line
-def _preset_from(tokens: list[str], config_file: str | None) -> str | None:
-    """The model preset named on the command line or in the config file (it picks the recipe)."""
-    for i, token in enumerate(tokens):
-        for key in ("--preset", "--model.preset"):
-            if token == key and i + 1 < len(tokens):
-                return tokens[i + 1]
-            if token.startswith(key + "="):
-                return token.split("=", 1)[1]
-    if config_file is not None:
-        from mdlmpe_ds.config import load_config_file
-
-        flat = load_config_file(config_file)
-        return flat.get("model.preset", flat.get("preset"))
-    return None
-
-
 def write_summary(out: Path, summary: dict) -> None:
     """``summary.json`` (written last, atomically): the run finished; compare_pe.py reuses it."""
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
     tmp.replace(out / "summary.json")
-
-
-def _help(argv: list[str]) -> str | None:
-    """Every training-config key with this launcher's defaults, for --help only."""
-    if not {"-h", "--help"} & set(argv):
-        return None
-    from mdlmpe_ds.config import help_text
-
-    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
-    return help_text(PRETRAIN_DEFAULTS, recipes=names)
-
-
-def main(
-    argv: list[str] | None = None,
-    script: str | None = None,
-    description: str | None = None,
-    faults: Faults = NO_FAULTS,
-) -> int:
-    """The pretraining command line: parse, re-launch on CPU ranks, build the config (recipe and
-    demo defaults under file and flags), run, and print the summary on rank 0. ``script``: the file
-    a CPU re-launch runs (launch/pretrain.py), else this module (``-m``)."""
-    from functools import partial
-
-    from mdlmpe_ds.config import build_config
-    from mdlmpe_ds.log_setup import configure
-
-    argv = sys.argv[1:] if argv is None else argv
-    description = description or __doc__.split("\n\n")[0]
-    args, rest = launching.base_parser(description, _help(argv)).parse_known_args(argv)
-    launching.prepare_process()
-    ranks = launching.ranks_to_relaunch(args.dry_run)
-    if ranks:
-        return launching.relaunch(script or __spec__.name, ranks, argv, module=script is None)
-    configure()
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    recipe, rest = recipes.pop_recipe(rest)
-    preset = _preset_from(rest, args.config)
-    defaults = pretrain_defaults(preset, world, recipe)
-    run = build_config(args.config, rest, defaults=defaults)
-    applied = pretrain_recipe(preset, recipe)
-    if applied and os.environ.get("RANK", "0") == "0":
-        print(recipes.describe(recipes.get(applied), run, world), flush=True)
-
-    def report(summary: dict) -> None:
-        out = Path(run.train.output_dir).resolve()
-        if summary["finished"]:
-            write_summary(out, summary)
-        val = summary.get("validation")
-        lines = [
-            f"\n{launching.outcome(summary, run.train.stop_at)} ({summary['epochs']:.2f} epochs of "
-            f"{summary['tokens_per_epoch']:,} tokens planned)",
-        ]
-        if val:
-            lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
-        lines += [
-            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
-            f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
-            "resume with:      "
-            + launching.resume_command("launch/pretrain.py", args.deepspeed, rest, args.config),
-            f"evaluate with:    python launch/evaluate.py {out}",
-        ]
-        print("\n".join(lines), flush=True)
-
-    return launching.run_job(partial(run_pretrain, faults=faults), run, args, report)
-
-
-if __name__ == "__main__":
-    launching.exit_process(main())

@@ -15,7 +15,7 @@ from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds import stop_request
 from mdlmpe_ds.callback import Callback, NonFiniteError, Stopped
 from mdlmpe_ds.callbacks import callbacks_for
-from mdlmpe_ds.config import build_config
+from mdlmpe_ds.cli import build_config
 from mdlmpe_ds.diffusion.losses import T_BUCKETS, LossStats
 from mdlmpe_ds.faults import NO_FAULTS, Faults
 from mdlmpe_ds.tasks import Micro

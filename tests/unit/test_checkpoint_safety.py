@@ -111,7 +111,7 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
 
 
 def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.runs.common import prepare_output_dir
 
     save(tmp_path, 2)
@@ -153,7 +153,7 @@ def test_data_fingerprint_is_content_sensitive_and_checked(tmp_path):
 
 
 def test_fp16_ds_config_is_refused_by_name(tmp_path):
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.engine import prepare_ds_config
 
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
@@ -261,7 +261,7 @@ def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: False
         from mdlmpe_ds import engine
-        from mdlmpe_ds.config import build_config
+        from mdlmpe_ds.cli import build_config
         from mdlmpe_ds.models import DiffusionLM, preset
         run = build_config(None, ["--precision", "fp32", "--micro_batch_size", "1"])
         ds = engine.prepare_ds_config("ds_configs/zero3.json", run, world=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds.config import build_config
+from mdlmpe_ds.cli import build_config
 from mdlmpe_ds.hub.resolve import HubResolveError, local_run, resolve, split_dataset_name
 from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mdlmpe_ds import recipes
-from mdlmpe_ds.config import RunConfig, build_config, valid_keys
+from mdlmpe_ds.cli import build_config, valid_keys
+from mdlmpe_ds.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -57,14 +58,14 @@ def test_paper_sft_values():
 
 
 def test_pretrain_preset_and_recipe_are_one_mechanism():
-    from mdlmpe_ds.runs.pretrain import pretrain_defaults
+    from mdlmpe_ds.recipes import pretrain_config
 
     for name in ("llada-100m", "dream-100m"):
-        assert pretrain_defaults(name, 2) == pretrain_defaults(None, 2, recipe=name)
-        run = build_config(None, [], defaults=pretrain_defaults(name, 2))
+        assert pretrain_config(name, 2) == pretrain_config(None, 2, recipe=name)
+        run = build_config(None, [], defaults=pretrain_config(name, 2))
         assert (run.train.max_steps, run.optim.lr, run.data.max_len) == (200_000, 1e-4, 1024)
     with pytest.raises(ValueError, match=r"is for launch/sft\.py"):
-        pretrain_defaults(None, 2, recipe="llada-8b-sft")
+        pretrain_config(None, 2, recipe="llada-8b-sft")
 
 
 def test_sft_launcher_prints_the_recipe_and_flags_win(tmp_path, capsys):

@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 LEVELS: dict[str, int] = {
     "launch": 100,  # launch/*.py: argument parsing and the user-facing summary only
     "runs": 90,  # run assembly: config, tokenizer, data, engine, tracker, resume
-    "compare": 90,  # the encoding comparison: trains through runs.pretrain's entry, then evaluates
+    "compare": 90,  # the encoding comparison: trains through launch/pretrain.py, then evaluates
     "evaluation": 80,
     "experiments": 84,  # the studies: build models, train in-process, evaluate, report
     "analysis": 82,  # diagnostics of any model evaluation's loader reads (exports, runs, hub ids)
     "hub": 80,  # export (the hub's name resolution is a bottom utility: hub.resolve)
-    "launching": 85,  # the launchers' shared flags, CPU re-launch, exit codes
+    "launching": 85,  # the launchers' run flags, CPU re-launch, resume command, exit codes
     "callbacks": 76,  # what the loop does besides training (head schedule, statistics, LoRA, stops, faults)
     "trainer": 72,  # the loop
     "checkpointer": 68,  # the save and resume protocol (staging, fsync, manifest, swap, verify, prune)
@@ -42,6 +42,8 @@ LEVELS: dict[str, int] = {
     "head_chunks": 56,  # the LM head's chunking of a run (rows from the environment, count by all-reduce)
     "weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
     "resume_changes": 57,  # what a resume may change (over config's key names)
+    "recipes": 57,  # the launchers' complete configs (over cli's typed mappings)
+    "cli": 56,  # the one parser: command line and config files from config's types
     "config": 55,
     "lora_spec": 54,  # the --lora spec the run config validates
     "models": 50,
@@ -51,7 +53,6 @@ LEVELS: dict[str, int] = {
     "pe": 30,
     "compat": 20,  # readers of older checkpoint and export layouts: pure functions of dicts
     "hub.resolve": 8,
-    "recipes": 5,
     "seeding": 5,
     "collectives": 5,
     "distributed": 5,  # rank, world size, barrier: torch.distributed only
@@ -164,10 +165,59 @@ def test_no_cycles_between_units_but_the_pending_ones():
 
 
 def test_library_code_never_runs_a_launch_script_by_path():
-    """Library code never reaches into launch/ (compare.py runs mdlmpe_ds.runs.pretrain as a module)."""
+    """Library code never imports from launch/ by path (compare.py runs launch/pretrain.py as a
+    subprocess, the user's own pretraining command)."""
     for path in (REPO / "mdlmpe_ds").rglob("*.py"):
         text = path.read_text()
         assert '"launch" /' not in text and 'REPO / "launch"' not in text, path
+
+
+# The one library module that builds a parser: the training command line and config files from the
+# config's types (jsonargparse); it never reads sys.argv, the launch/ scripts pass argv in.
+PARSER_MODULE = "mdlmpe_ds/cli.py"
+# Library modules that still parse their own `python -m` command line (each is a module entry of
+# its own, outside the training command line); delete an entry once its parser moves to launch/.
+PARSING_PENDING = {
+    "mdlmpe_ds/analysis/cli.py": "python -m mdlmpe_ds.analysis",
+    "mdlmpe_ds/data/assets.py": "python -m mdlmpe_ds.data.assets prepare",
+    "mdlmpe_ds/data/corpora.py": "python -m mdlmpe_ds.data.corpora prepare",
+    "mdlmpe_ds/engine.py": "python -m mdlmpe_ds.engine to-universal (ds_to_universal reads sys.argv)",
+    "mdlmpe_ds/evaluation/lm_eval_adapter.py": "lm-eval's own CLI entry reads sys.argv",
+}
+
+
+def argv_parsing(path: Path) -> list[str]:
+    """Where ``path`` reads ``sys.argv`` or builds an argparse / jsonargparse parser (ast)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "argv":
+            if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                found.append(f"{path.name}:{node.lineno}: sys.argv")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "ArgumentParser":
+                found.append(f"{path.name}:{node.lineno}: ArgumentParser(...)")
+    return found
+
+
+def test_nothing_in_the_library_parses_argv():
+    """Argument parsing lives in launch/: no module under mdlmpe_ds/ reads sys.argv or builds a
+    parser, except mdlmpe_ds/cli.py (which builds the training parser but never reads sys.argv)
+    and the pending `python -m` entries above."""
+    offenders = {}
+    for path in sorted((REPO / "mdlmpe_ds").rglob("*.py")):
+        rel = str(path.relative_to(REPO))
+        if rel in PARSING_PENDING:
+            continue
+        found = argv_parsing(path)
+        if rel == PARSER_MODULE:
+            found = [f for f in found if "sys.argv" in f]
+        if found:
+            offenders[rel] = found
+    assert offenders == {}
+    assert [f for f in argv_parsing(REPO / PARSER_MODULE) if "ArgumentParser" in f]  # the rule sees it
+    assert all(argv_parsing(REPO / rel) for rel in PARSING_PENDING), "a pending entry is clean: delete it"
 
 
 def test_the_checks_catch_a_back_edge_and_a_cycle():

@@ -46,7 +46,7 @@ def test_rank_zero_logs_notes_and_others_only_warnings():
 
 def test_the_dry_run_plan_is_logged(tmp_path, capsys):
     """The plan of a dry run (runs/common.build_engine) is an INFO record of rank 0 on stdout."""
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.log_setup import configure
     from mdlmpe_ds.runs.common import build_engine, model_config_for
 

@@ -74,7 +74,7 @@ def test_parse_errors_name_the_bad_part(text, named):
 
 
 def test_config_key_and_config_file_section(tmp_path):
-    from mdlmpe_ds.config import RunConfig, build_config
+    from mdlmpe_ds.cli import build_config, from_mapping
 
     run = build_config(None, ["--lora", "r=4,targets=v,q"])
     assert run.model.lora == "r=4,alpha=32,dropout=0.05,targets=q,v"
@@ -84,7 +84,7 @@ def test_config_key_and_config_file_section(tmp_path):
     file.write_text(json.dumps({"model": {"lora": {"r": 8, "alpha": 16, "targets": ["q", "down"]}}}))
     assert build_config(str(file), []).model.lora == "r=8,alpha=16,dropout=0.05,targets=q,down"
     with pytest.raises(ValueError, match="unknown key 'rnak'"):
-        RunConfig.from_dict({"model": {"lora": {"rnak": 8}}})
+        from_mapping({"model": {"lora": {"rnak": 8}}})
     with pytest.raises(ValueError, match=r"model.lora.*unknown LoRA target 'x'"):
         build_config(None, ["--lora", "targets=x"])
 
@@ -332,7 +332,7 @@ def test_a_truncated_base_file_is_named(tmp_path):
 # ------------------------------------------------------------------------------------ dry run
 def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(capsys, monkeypatch):
     from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -358,7 +358,7 @@ def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(cap
 def test_memory_plan_of_llada_8b_with_lora():
     """The numbers of docs/gpu.md: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
     from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.memory_plan import plan_memory
 
     run = build_config(None, ["--micro_batch_size", "1", "--max_len", "2048", "--precision", "bf16"])

@@ -117,7 +117,7 @@ def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
     """trainer.build_engine (the dry run's meta-device build) logs the memory plan for the world
     size of the job (WORLD_SIZE when no process group is up) and returns its total."""
     from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
     from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")

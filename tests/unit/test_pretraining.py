@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mdlmpe_ds.cli import build_config
 from mdlmpe_ds.compare import ENCODINGS, aggregate, bar_chart, pretrain_command, summary_markdown
-from mdlmpe_ds.config import build_config
 from mdlmpe_ds.data.corpora import NAMED_CORPORA, corpus_text_files, load_packed_corpus
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, markdown_table, score_corpus
-from mdlmpe_ds.runs.pretrain import PAPER_GLOBAL_BATCH, pretrain_defaults, sentencepiece_for_corpus
+from mdlmpe_ds.recipes import PAPER_GLOBAL_BATCH, pretrain_config
+from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
 from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 TEXT = "the cat sat on the mat\nthe dog sat on the log\n\nfour more words here\n"
@@ -111,7 +112,7 @@ def test_named_corpora_follow_their_document_convention(assets):
 # ------------------------------------------------------------------------------------ launcher defaults
 @pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
 def test_paper_recipe_keeps_global_batch_16(world):
-    d = pretrain_defaults("llada-100m", world)
+    d = pretrain_config("llada-100m", world).flat()
     assert d["train.micro_batch_size"] * d["train.grad_accum"] * world == PAPER_GLOBAL_BATCH
     assert (d["optim.lr"], d["optim.betas"], d["optim.weight_decay"]) == (1e-4, (0.9, 0.999), 0.01)
     assert (d["optim.warmup_steps"], d["data.max_len"], d["train.head_schedule"]) == (2000, 1024, False)
@@ -119,11 +120,11 @@ def test_paper_recipe_keeps_global_batch_16(world):
 
 def test_recipe_rejects_a_world_that_does_not_split_the_batch():
     with pytest.raises(ValueError, match="global batch 16"):
-        pretrain_defaults("dream-100m", 3)
+        pretrain_config("dream-100m", 3)
 
 
 def test_launcher_defaults_sit_under_file_and_flags(tmp_path):
-    defaults = pretrain_defaults(None, 2)
+    defaults = pretrain_config(None, 2)
     run = build_config(None, ["--max_steps", "7"], defaults=defaults)
     assert run.data.dataset == "shakespeare" and run.train.max_steps == 7
     assert run.train.head_schedule is False  # MDLMPE on every head from the first update

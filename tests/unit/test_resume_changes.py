@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mdlmpe_ds import resume_changes as rc
-from mdlmpe_ds.config import RunConfig, build_config
+from mdlmpe_ds.cli import build_config
+from mdlmpe_ds.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_KEYS = sorted(rc.flat(RunConfig().to_dict()))

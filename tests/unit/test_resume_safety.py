@@ -20,7 +20,7 @@ import pytest
 
 from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds import checkpointer, run_lock, stop_request
-from mdlmpe_ds.config import build_config
+from mdlmpe_ds.cli import build_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mdlmpe_ds.config import build_config
+from mdlmpe_ds.cli import build_config
 from mdlmpe_ds.data.sft import SFTExample
 from mdlmpe_ds.data.sft_collate import SFTCollator
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt

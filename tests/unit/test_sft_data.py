@@ -565,7 +565,7 @@ def test_cutoff_settings_are_checked():
         SFTCollator(pad_id=0, perbatch_cutoff="longest")
     with pytest.raises(ValueError, match="pad_to_multiple_of cannot"):
         SFTCollator(pad_id=0, pad_to_multiple_of=8, resp_cutoff_ratio=0.1)
-    from mdlmpe_ds.config import RunConfig
+    from mdlmpe_ds.cli import from_mapping
 
     for overrides, message in (
         ({"data.perbatch_cutoff": "longest"}, "must be one of"),
@@ -574,8 +574,8 @@ def test_cutoff_settings_are_checked():
         ({"data.perbatch_cutoff": "random", "train.block_size": 4}, "inside its prompt"),
     ):
         with pytest.raises(ValueError, match=message):
-            RunConfig.from_dict(overrides).validate()
-    RunConfig.from_dict({"data.perbatch_cutoff": "random_with_input_pad", "train.block_size": 4}).validate()
+            from_mapping(overrides).validate()
+    from_mapping({"data.perbatch_cutoff": "random_with_input_pad", "train.block_size": 4}).validate()
 
 
 def test_trainer_batches_redraw_the_same_cutoff_after_resume():

@@ -260,7 +260,7 @@ def test_old_checkpoint_config_is_the_same_model_as_per_layer():
 
 
 def test_cli_key():
-    from mdlmpe_ds.config import build_config
+    from mdlmpe_ds.cli import build_config
 
     run = build_config(None, ["--model.mdlmpe.phase_mlp", "shared"])
     assert run.model.mdlmpe.phase_mlp == "shared"

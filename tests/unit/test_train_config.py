@@ -11,7 +11,7 @@ import pytest
 
 from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds import checkpointer
-from mdlmpe_ds.config import RunConfig, build_config
+from mdlmpe_ds.cli import build_config, from_mapping
 from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
@@ -42,7 +42,7 @@ def test_cli_and_file_overrides(tmp_path):
         and run.train.head_schedule is False
     )
     assert run.mdlmpe_config() == MDLMPEConfig(max_seq_len=256, tau_max=0.2)  # L_ref = data.max_len
-    assert RunConfig.from_dict(run.to_dict()).to_dict() == run.to_dict()
+    assert from_mapping(run.to_dict()).to_dict() == run.to_dict()
 
 
 def test_mdlmpe_method_keys_are_typed():

@@ -1,0 +1,58 @@
+"""Every spelling of a training key the command line took before jsonargparse still works."""
+
+from __future__ import annotations
+
+import pytest
+
+from mdlmpe_ds import cli, recipes
+from mdlmpe_ds.cli import build_config
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        ["--lr", "1e-5"],
+        ["--optim.lr", "1e-5"],
+        ["--lr=1e-5"],
+        ["--optim.lr=1e-5"],
+    ],
+)
+def test_bare_dotted_and_equals(tokens):
+    assert build_config(None, tokens).optim.lr == 1e-5
+
+
+def test_aliases_and_switch_and_null_words():
+    run = build_config(None, ["--dataset_split", "test", "--head_schedule", "0", "--compile", "On"])
+    assert (run.data.split, run.train.head_schedule, run.attention.compile) == ("test", False, True)
+    run = build_config(
+        None, ["--max_steps", "none", "--epochs", "2", "--tokenizer", "None", "--stop_at=null"]
+    )
+    assert (run.train.max_steps, run.data.tokenizer, run.train.stop_at) == (None, None, None)
+    assert build_config(None, ["--model.mdlmpe.tau_max", "0.1"]).model.mdlmpe.tau_max == 0.1
+    assert build_config(None, ["--mdlmpe", '{"tau_max": 0.1}']).model.mdlmpe.tau_max == 0.1
+
+
+def test_run_flags_sit_in_the_same_parser():
+    """The DeepSpeed launcher's --local_rank / --local-rank and --deepspeed, and the run flags."""
+    parser = cli.config_parser(None, recipes.sft_config(), "sft", ["llada-8b-sft"])
+    argv = [
+        "--local_rank=0",
+        "--deepspeed",
+        "x.json",
+        "--recipe=llada-8b-sft",
+        "--dry-run",
+        "--preset=llada-100m",
+    ]
+    flags, overrides = cli.parse(
+        parser, [*argv, "--local-rank", "1", "--config", "c.yaml", "--resume", "auto"]
+    )
+    assert (flags["local_rank"], flags["deepspeed"], flags["recipe"], flags["dry_run"]) == (
+        1,
+        "x.json",
+        "llada-8b-sft",
+        True,
+    )
+    assert (flags["config"], flags["resume"]) == ("c.yaml", "auto")
+    assert overrides == {"model.preset": "llada-100m"}
+    flags, _ = cli.parse(parser, ["--preset", "llada-100m", "--dry_run", "--allow-config-change", "lr,seed"])
+    assert flags["dry_run"] and flags["allow_config_change"] == ["lr,seed"]

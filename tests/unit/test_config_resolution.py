@@ -1,0 +1,49 @@
+"""The user's config is never changed in place: validation checks it, resolution returns a separate
+local view, and a launcher's config function returns a new config each time."""
+
+from __future__ import annotations
+
+import copy
+
+from mdlmpe_ds import recipes
+from mdlmpe_ds.cli import build_config
+from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.hub.resolve import local_run
+
+
+def test_validate_leaves_the_config_as_written():
+    run = RunConfig()
+    run.model.lora = "targets=q,r=4"  # a valid spec, not in its normal form
+    run.model.model_name_or_path = "GSAI-ML/LLaDA-8B-Instruct"  # a hub id
+    before = copy.deepcopy(run.to_dict())
+    run.validate()
+    assert run.to_dict() == before
+
+
+def test_resolution_is_a_separate_view(monkeypatch):
+    """local_run folds the dataset's config name (and would swap hub ids for snapshots) in its copy;
+    the user's config still holds what was asked for."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = RunConfig()
+    run.data.dataset, run.data.dataset_config = "HuggingFaceTB/smoltalk", "all"
+    run.data.tokenizer = None
+    before = copy.deepcopy(run.to_dict())
+    local = local_run(run, config_only=True)
+    assert run.to_dict() == before
+    assert (local.data.dataset, local.data.dataset_config) == ("HuggingFaceTB/smoltalk:all", None)
+
+
+def test_command_line_writes_the_dataset_config_once():
+    run = build_config(None, ["--dataset", "HuggingFaceTB/smoltalk", "--dataset_config", "all"])
+    assert (run.data.dataset, run.data.dataset_config) == ("HuggingFaceTB/smoltalk:all", None)
+
+
+def test_launcher_configs_are_new_each_time():
+    first = recipes.pretrain_config("llada-100m", 2)
+    first.optim.lr = 1.0
+    assert recipes.pretrain_config("llada-100m", 2).optim.lr == 1e-4
+    sft = recipes.sft_config("llada-8b-sft")
+    assert (
+        sft.model.model_name_or_path == "GSAI-ML/LLaDA-8B-Base"
+        and RunConfig().model.model_name_or_path is None
+    )
