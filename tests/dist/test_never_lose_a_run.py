@@ -82,10 +82,15 @@ def test_sigkill_at_random_points_then_resume_auto(sft_straight, sft_data, tmp_p
         return (out / "checkpoints" / "step_000008.saving" / "trainer_state_rank1.pt").is_file()
 
     launch_and_kill_when([*args, "--resume", "auto"], in_save, faults={"pause_in_save": 8})
-    assert not (out / "checkpoints" / "step_000008").exists()  # never a half-written step_N
+    ckpts = out / "checkpoints"
+    assert not (ckpts / "step_000008").exists()  # never a half-written step_N
+    # the shards went to the staging directory, and `latest` moves only after COMPLETE
+    assert (ckpts / "step_000008.saving" / "ds").is_dir()
+    assert (ckpts / "latest").read_text().strip() == "step_000004"
     resumed = launch([*args, "--resume", "auto"])
     check(resumed, "resume after two kills")
-    assert "step_000004" in resumed.stdout and "removed the interrupted save" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_000004" in resumed.stdout
+    assert "removed the interrupted save" in resumed.stdout
     same_history(sft_straight, out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000008"]
 
