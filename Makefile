@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # sweep in tests/unit/test_attention_shapes.py, tens of minutes); `make test-all` runs everything.
 # Two phases: tests/unit in UNIT_WORKERS pytest-xdist workers (each test file whole on one worker,
 # `--dist loadfile`, so a module's fixtures are built once), then tests/dist and tests/gpu serially in
-# one process (each dist test is itself two DeepSpeed processes, one per core). The second phase runs
-# even when the first fails, so CI shows every failure; the target fails if either phase failed.
+# one process (each dist test is itself two DeepSpeed processes, one per core; the two dist-marked
+# torchrun checks in tests/unit stay with their files' fixtures in the first phase). The second phase
+# runs even when the first fails, so CI shows every failure; the target fails if either phase failed.
 UNIT_WORKERS ?= 2
 XDIST := -n $(UNIT_WORKERS) --dist loadfile
 TWO_PHASES = $(BIN)/python -m pytest -q tests/unit $(XDIST) $(1); unit=$$?; \
