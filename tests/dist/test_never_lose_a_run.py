@@ -19,11 +19,9 @@ import random
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from sft_fixtures import make_chat
-
-from mdlmpe_ds import checkpoint as ckpt
 from sft_runs import (
     BASE_ARGS,
     alive,
@@ -82,10 +80,15 @@ def test_sigkill_at_random_points_then_resume_auto(sft_straight, sft_data, tmp_p
         return (out / "checkpoints" / "step_000008.saving" / "trainer_state_rank1.pt").is_file()
 
     launch_and_kill_when([*args, "--resume", "auto"], in_save, faults={"pause_in_save": 8})
-    assert not (out / "checkpoints" / "step_000008").exists()  # never a half-written step_N
+    ckpts = out / "checkpoints"
+    assert not (ckpts / "step_000008").exists()  # never a half-written step_N
+    # the shards went to the staging directory, and `latest` moves only after COMPLETE
+    assert (ckpts / "step_000008.saving" / "ds").is_dir()
+    assert (ckpts / "latest").read_text().strip() == "step_000004"
     resumed = launch([*args, "--resume", "auto"])
     check(resumed, "resume after two kills")
-    assert "step_000004" in resumed.stdout and "removed the interrupted save" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_000004" in resumed.stdout
+    assert "removed the interrupted save" in resumed.stdout
     same_history(sft_straight, out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000008"]
 
@@ -105,9 +108,7 @@ def test_resave_over_existing_step_is_atomic(sft_straight, sft_data, tmp_path):
     fresh = launch(args)
     assert fresh.returncode != 0 and "already holds checkpoints" in fresh.stderr
     assert "--overwrite_output_dir true" in fresh.stderr
-    killed = launch(
-        [*args, "--resume", str(out / "checkpoints" / "step_000004")], faults={"kill_in_save": 8}
-    )
+    killed = launch([*args, "--resume", str(out / "checkpoints" / "step_000004")], faults={"kill_in_save": 8})
     assert killed.returncode != 0
     ckpts = out / "checkpoints"
     assert not (ckpts / "step_000008").exists() and (ckpts / "step_000008.saving").is_dir()
@@ -136,14 +137,14 @@ def test_resume_on_a_same_size_dataset_swap_is_refused(sft_straight, sft_data, t
     out = tmp_path / "swap"
     copy_run(sft_straight, out, steps=(4,))
     original = sft_data[sft_data.index("--dataset") + 1]
-    rows = [json.loads(line) for line in open(original)]
+    rows = [json.loads(line) for line in Path(original).read_text().splitlines()]
     for row in rows:
         for message in row["messages"]:
             if message["role"] == "assistant":
                 message["content"] = " ".join(reversed(message["content"].split()))
     swapped = tmp_path / "swapped.jsonl"
     swapped.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert sum(1 for _ in open(swapped)) == sum(1 for _ in open(original))
+    assert len(swapped.read_text().splitlines()) == len(Path(original).read_text().splitlines())
     args = [*sft_data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto", "--dataset", str(swapped)]
     proc = launch(args)
     assert proc.returncode != 0 and "trained on other data" in proc.stderr, proc.stderr[-2000:]

@@ -4,6 +4,7 @@ resuming on another world size; loss falls on the real chat data with the real Q
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 
@@ -47,11 +48,12 @@ def test_nonfinite_skipped_then_stop(data, tmp_path):
     assert rows[3]["train/lr"] == rows[2]["train/lr"] and rows[5]["train/lr"] == rows[4]["train/lr"]
 
 
-def test_resume_on_another_world_size(data, tmp_path):
+def test_resume_on_another_world_size(sft_straight, data, tmp_path):
     """2 ranks -> 1 rank: a clear error that says how to convert, then DeepSpeed's universal
-    checkpoint conversion and a 1-rank resume that finishes the schedule."""
+    checkpoint conversion and a 1-rank resume that finishes the schedule. The 2-rank checkpoint is
+    the shared straight run's update-4 save (tests/dist/conftest.py: same arguments), copied."""
     out = tmp_path / "w2"
-    check(launch([*data, *BASE_ARGS, "--output_dir", str(out), "--stop_at", "4"]), "2-rank run")
+    shutil.copytree(sft_straight / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
     proc = launch([*data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"], nproc=1)
     assert proc.returncode != 0
     assert "written by 2 ranks but this run has 1" in proc.stderr and "to-universal" in proc.stderr
@@ -66,7 +68,7 @@ def test_resume_on_another_world_size(data, tmp_path):
     resumed = launch([*data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"], nproc=1)
     check(resumed, "1-rank resume from the universal copy")
     assert "resuming a 2-rank checkpoint on 1 ranks" in resumed.stdout
-    rows = metrics(out)
+    rows = metrics(out, first=5)  # a fresh output_dir: its history starts at the checkpoint
     assert max(rows) == 8 and all(math.isfinite(rows[s]["train/loss"]) for s in range(5, 9))
     # The lr schedule continues where the 2-rank run stopped (restored scheduler state): update
     # index 4 of warmup 2 + cosine over 8 at peak 3e-3 (BASE_ARGS), not a restarted warmup.

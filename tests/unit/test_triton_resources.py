@@ -105,19 +105,17 @@ PAIR_SPILL_BOUND = {
 }
 
 
-def _report(request, title: str, results) -> None:
-    table = "\n".join(r.line() for r in results)
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n{title}:\n{table}")
+def _report(show_table, title: str, results) -> None:
+    """The table in the run's terminal summary (also when the unit tests run in xdist workers)."""
+    show_table(title, "\n".join(r.line() for r in results))
 
 
 @pytest.fixture(scope="session")
-def pair_resources(request):
+def pair_resources(show_table):
     from mdlmpe_ds.attention.triton.aot import compile_many
 
     results = compile_many(PAIR_JOBS, workers=min(2, os.cpu_count() or 1))
-    _report(request, "Triton pair-bias kernels compiled ahead of time", results)
+    _report(show_table, "Triton pair-bias kernels compiled ahead of time", results)
     return results
 
 
@@ -137,12 +135,12 @@ def test_pair_kernels_fit_without_spills_or_fences(pair_resources):
 
 
 @pytest.fixture(scope="session")
-def resources(request):
+def resources(show_table):
     from mdlmpe_ds.attention.triton.aot import compile_many
 
     workers = min(2, os.cpu_count() or 1)
     results = compile_many(JOBS, workers=workers)
-    _report(request, "Triton kernels compiled ahead of time (shared memory, registers, spills)", results)
+    _report(show_table, "Triton kernels compiled ahead of time (shared memory, registers, spills)", results)
     return results
 
 
