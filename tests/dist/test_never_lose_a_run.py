@@ -23,7 +23,7 @@ import time
 import pytest
 from sft_fixtures import make_chat
 
-from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds.training import checkpoint as ckpt
 from sft_runs import (
     BASE_ARGS,
     alive,
