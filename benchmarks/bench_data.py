@@ -76,7 +76,7 @@ def iterate(store_path: str, mode: str, seq_len: int, micro_batch: int) -> dict:
     import numpy as np
     from proc_memory import reset_peak, status_kb
 
-    from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate
+    from mdlmpe_ds.data.packing import PackedTokenDataset, packed_collate
     from mdlmpe_ds.data.token_store import TokenStore
 
     store = TokenStore.open(store_path)

@@ -42,7 +42,7 @@ from proc_memory import reset_peak, status_kb
 
 def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
     """(info, step function) for one encoding: same seed, batch and corruption for both. With
-    ``lora_spec`` the backbone is frozen and LoRA adapters injected (mdlmpe_ds/lora.py); the
+    ``lora_spec`` the backbone is frozen and LoRA adapters injected (mdlmpe_ds/lora/adapters.py); the
     optimizer is ``step.optimizer``."""
     import torch
 
@@ -68,7 +68,7 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = DiffusionLM(config, device=device, impl=impl, recompute=Recompute(layers=True)).to(dtype).train()
     if lora_spec is not None:
-        from mdlmpe_ds import lora
+        from mdlmpe_ds.lora import adapters as lora
 
         lora.inject(model, lora_spec)
         lora.reset_adapters(model, seed=0)
@@ -106,7 +106,7 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
 def lora_worker(args: argparse.Namespace) -> dict:
     """Full fine-tune and LoRA of the same MDLMPE model: AdamW state bytes (after the warm-ups),
     gradient bytes and median step time of each."""
-    from mdlmpe_ds import lora
+    from mdlmpe_ds.lora import adapters as lora
 
     spec = lora.parse(args.lora)
     result = {"spec": spec.text()}

@@ -1,4 +1,4 @@
-"""The memory plan (mdlmpe_ds/memory_plan.py) against measured CPU runs, and the 8-GPU plans.
+"""The memory plan (mdlmpe_ds/training/memory_plan.py) against measured CPU runs, and the 8-GPU plans.
 
 1. Activation terms: one real layer at LLaDA-8B width (d 4096, 32 heads, SwiGLU 12288) and at
    Dream-7B width (d 3584, 28 query and 4 KV heads, SwiGLU 18944), fp32 on the CPU, every
@@ -23,7 +23,11 @@ from pathlib import Path
 import torch
 
 from mdlmpe_ds.attention.impl import AttentionImpl
-from mdlmpe_ds.memory_plan import (
+from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.recompute import Recompute
+from mdlmpe_ds.models.scored_head import scored_cross_entropy
+from mdlmpe_ds.pe.config import MDLMPEConfig
+from mdlmpe_ds.training.memory_plan import (
     GIB,
     LiveTensorBytes,
     head_bytes,
@@ -31,10 +35,6 @@ from mdlmpe_ds.memory_plan import (
     measure_layer,
     plan_memory,
 )
-from mdlmpe_ds.models.presets import preset
-from mdlmpe_ds.models.recompute import Recompute
-from mdlmpe_ds.models.scored_head import scored_cross_entropy
-from mdlmpe_ds.pe.config import MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTED = Recompute(layers=True)  # what a training run uses (model.gradient_checkpointing)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 
 from mdlmpe_ds.analysis.cli import main
-from mdlmpe_ds.log_setup import configure
+from mdlmpe_ds.training.log_setup import configure
 
 if __name__ == "__main__":
     configure(stream="stderr")

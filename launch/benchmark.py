@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--no_progress", action="store_true")
     args = parser.parse_args(argv)
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the suite, the plan and the table
     if args.names and len(args.names) != len(args.models):
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     code = main()
     if "LOCAL_RANK" in os.environ:  # a torchrun worker: tear the process group down, then exit cleanly
-        from mdlmpe_ds.engine import exit_after_teardown
+        from mdlmpe_ds.distributed.process_group import exit_after_teardown
 
         exit_after_teardown(code)
     sys.exit(code)

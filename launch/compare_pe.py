@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
     """(flags compare adds to every run, one line naming each): recipes.COMPARE_LONGER's keys that
     neither the user (flags, --config) nor a recipe (--recipe, or --preset llada-100m|dream-100m) sets."""
-    from mdlmpe_ds import cli, recipes
+    from mdlmpe_ds.config import cli, recipes
 
     flags, overrides = cli.parse(_pretrain_parser(), forwarded)
     written = cli.load_config_file(flags["config"]) if flags["config"] is not None else {}
@@ -56,7 +56,9 @@ def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
 
 def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds_config: str):
     """The RunConfig launch/pretrain.py would build for one matched run (for --dry-run)."""
-    from mdlmpe_ds import cli, compare, launching, recipes
+    from mdlmpe_ds.config import cli, recipes
+    from mdlmpe_ds.experiments import compare
+    from mdlmpe_ds.runs import launching
 
     cmd = compare.pretrain_command(
         [], encoding, seed, compare.run_dir(out, encoding, seed), ds_config, forwarded
@@ -68,17 +70,17 @@ def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds
 
 def _pretrain_parser():
     """launch/pretrain.py's parser (its run flags and config keys, with its defaults)."""
-    from mdlmpe_ds import cli, recipes
+    from mdlmpe_ds.config import cli, recipes
 
     names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
     return cli.config_parser(None, recipes.pretrain_demo(), "pretrain", names)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mdlmpe_ds import compare
     from mdlmpe_ds.data.corpora import EVAL_CORPORA
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
     from mdlmpe_ds.evaluation.perplexity import EvalSettings
+    from mdlmpe_ds.experiments import compare
 
     # No prefix matching: --seed (a training key, forwarded) must not be read as --seeds.
     epilog = None
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print each run's plan; train nothing",
     )
     args, forwarded = parser.parse_known_args(argv)
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure()
     unknown = [e for e in args.encodings if e not in compare.ENCODINGS]
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _trained_length(out: Path, encodings: list[str], seeds: list[int]) -> int:
     """The packed length the runs trained with (data.max_len of the first run's last checkpoint)."""
-    from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import compare
+    from mdlmpe_ds.experiments import compare
+    from mdlmpe_ds.training import checkpoint as ckpt
 
     directory = compare.run_dir(out, encodings[0], seeds[0])
     newest = ckpt.newest_complete(directory)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "--corruption", nargs="+", default=None, choices=LAYOUTS, help="score by mask layout (paired)"
     )
     args = parser.parse_args(argv)
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the results table
     check_arguments(parser, args)
@@ -142,14 +142,14 @@ def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
     import json
     from dataclasses import asdict
 
-    from mdlmpe_ds.evaluation.layout_eval import (
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+    from mdlmpe_ds.experiments.layout_eval import (
         LayoutEvalSettings,
         corpus_batches,
         layout_markdown,
         score_layouts,
         summarise,
     )
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
     models = []
     for i, path in enumerate(args.models):

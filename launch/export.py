@@ -11,7 +11,7 @@ chat template training used, and the self-contained modeling file with `auto_map
 (mdlmpe_ds/hub/export.py). `mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back, and so does
 `transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)`.
 
-A LoRA checkpoint (`--lora`, mdlmpe_ds/lora.py) holds the adapters and the MDLMPE weights; the frozen
+A LoRA checkpoint (`--lora`, mdlmpe_ds/lora/adapters.py) holds the adapters and the MDLMPE weights; the frozen
 base is read from the run's `model_name_or_path` (or, for a from-scratch preset, the run's
 `lora_base.safetensors`). `--merge` (the default) writes W + (alpha / r) B A into the one
 consolidated model above, the same format as a full fine-tune; `--adapter-only` writes a
@@ -49,14 +49,15 @@ def export(
     adapter_only: bool = False,
     base_only: bool = False,
 ) -> Path:
-    from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import lora, weights_only
-    from mdlmpe_ds.consolidate import as_declared_shapes, checkpoint_state, consolidated_state
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.hub.export_target import check_target, staged
+    from mdlmpe_ds.lora import adapters as lora
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.training import checkpoint as ckpt
+    from mdlmpe_ds.training import weights_only
+    from mdlmpe_ds.training.consolidate import as_declared_shapes, checkpoint_state, consolidated_state
 
     # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
     model_only = weights_only.is_weights_dir(checkpoint)
@@ -103,8 +104,8 @@ def _export_adapter(step_dir, saved, out, target, adapters, mdlmpe, spec, dtype:
     into ``out`` (the staging directory of ``target``)."""
     import shutil
 
-    from mdlmpe_ds import lora
     from mdlmpe_ds.hub.export import TOKENIZER_FILES
+    from mdlmpe_ds.lora import adapters as lora
     from mdlmpe_ds.models.config import ModelConfig
 
     lora.check_base_identity(step_dir, lora.base_source(step_dir, saved.run_config))  # the adapter's base
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     from mdlmpe_ds.hub.export_target import ExportTargetError
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(stream="stderr")
     try:

@@ -136,7 +136,7 @@ class Session:
 
 def main(argv: list[str] | None = None, out=sys.stdout, stdin=sys.stdin) -> int:
     args = parse_args(argv)
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the completions
     from mdlmpe_ds.models.device import check_device

@@ -57,8 +57,8 @@ def smoke_flags(data_dir: Path, length: int, micro_batch: int, output_dir: Path)
 def plan(flags: list[str], deepspeed_config: Path) -> float:
     """[1/4]: the dry run of the smoke run (prints model, batch and memory plan); returns the
     plan's total GiB per GPU."""
-    from mdlmpe_ds.cli import build_config
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     os.environ.setdefault("WORLD_SIZE", "1")
     run = build_config(None, flags)
@@ -75,7 +75,7 @@ def _step(name: str, command: list[str], env: dict[str, str] | None = None) -> b
 
 def smoke_report(output_dir: Path, planned_gib: float) -> None:
     """Tokens/s and peak memory per update from the run's metrics.jsonl, next to the plan."""
-    from mdlmpe_ds.memory_plan import CUDA_OVERHEAD_BYTES, GIB
+    from mdlmpe_ds.training.memory_plan import CUDA_OVERHEAD_BYTES, GIB
 
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     allocated_plan = planned_gib - CUDA_OVERHEAD_BYTES / GIB  # max_memory_allocated has no context
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     args = parser.parse_args(argv)
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure()
 

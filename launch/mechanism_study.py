@@ -58,10 +58,10 @@ def training_flags(base: dict, forwarded: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mdlmpe_ds import compare
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
-    from mdlmpe_ds.evaluation.layout_eval import LayoutEvalSettings
-    from mdlmpe_ds.evaluation.mechanism_study import (
+    from mdlmpe_ds.experiments import compare
+    from mdlmpe_ds.experiments.layout_eval import LayoutEvalSettings
+    from mdlmpe_ds.experiments.mechanism_study import (
         evaluate_run,
         reference_lines,
         summarise_study,

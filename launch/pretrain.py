@@ -33,14 +33,14 @@ import os
 import sys
 from pathlib import Path
 
-from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
+from mdlmpe_ds.runs import launching
 
 
 def main(argv: list[str] | None = None, faults=None) -> int:
     """The pretraining command line: parse, re-launch on CPU ranks, build the config (recipe and
     demo under file and flags), run, and print the summary on rank 0. ``faults``: test hooks
-    (mdlmpe_ds/faults.py); production passes none."""
-    from mdlmpe_ds import cli, recipes
+    (mdlmpe_ds/training/faults.py); production passes none."""
+    from mdlmpe_ds.config import cli, recipes
 
     argv = sys.argv[1:] if argv is None else argv
     names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None, faults=None) -> int:
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
-    from mdlmpe_ds.faults import NO_FAULTS
-    from mdlmpe_ds.log_setup import configure
-    from mdlmpe_ds.runs.pretrain import run_pretrain, write_summary
+    from mdlmpe_ds.runs.pretrain_run import run_pretrain, write_summary
+    from mdlmpe_ds.training.faults import NO_FAULTS
+    from mdlmpe_ds.training.log_setup import configure
 
     configure()
     world = int(os.environ.get("WORLD_SIZE", "1"))

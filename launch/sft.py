@@ -7,7 +7,7 @@ prepared offline; 2 CPU ranks; a few minutes)::
 
 On a CPU-only machine the `deepspeed` launcher starts one rank (one "device"); this script then
 re-launches itself with 2 ranks under torchrun (set MDLMPE_DS_CPU_RANKS=1 to keep one; see
-mdlmpe_ds/launching.py). It runs under `torchrun --nproc_per_node N launch/sft.py ...` as well.
+mdlmpe_ds/runs/launching.py). It runs under `torchrun --nproc_per_node N launch/sft.py ...` as well.
 
 A real model on a GPU node (bf16; batch sizes must agree with the ds config, or set them "auto")::
 
@@ -32,13 +32,13 @@ import os
 import sys
 from pathlib import Path
 
-from mdlmpe_ds import launching  # light: no torch / DeepSpeed import at module level
+from mdlmpe_ds.runs import launching
 
 
 def main(argv: list[str] | None = None, faults=None) -> int:
     """Parse, re-launch on CPU ranks, build the config, run, print the summary on rank 0.
-    ``faults``: test hooks (mdlmpe_ds/faults.py); production passes none."""
-    from mdlmpe_ds import cli, recipes
+    ``faults``: test hooks (mdlmpe_ds/training/faults.py); production passes none."""
+    from mdlmpe_ds.config import cli, recipes
 
     argv = sys.argv[1:] if argv is None else argv
     names = [n for n, r in recipes.RECIPES.items() if r.launcher == "sft"]
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None, faults=None) -> int:
     if ranks:
         return launching.relaunch(__file__, ranks, argv)
 
-    from mdlmpe_ds.faults import NO_FAULTS
-    from mdlmpe_ds.log_setup import configure
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
+    from mdlmpe_ds.training.faults import NO_FAULTS
+    from mdlmpe_ds.training.log_setup import configure
 
     configure()
 

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.analysis import mechanism
+from mdlmpe_ds.analysis.diagnostics import run_checkpoint
 from mdlmpe_ds.analysis.mechanism import Geometry, MechanismResult
+from mdlmpe_ds.analysis.plots import DRAW, TensorBoardImages, new_figure, save_json, save_png
 
 FIGURES = ("topologies", "envelope", "transfer", "jacobian", "ratio_angle", "boundary")
 
@@ -166,7 +168,6 @@ def compute(figure: str, args: argparse.Namespace) -> MechanismResult:
 
 
 def run_mechanism(args: argparse.Namespace) -> list[Path]:
-    from mdlmpe_ds.analysis.plots import DRAW, TensorBoardImages, new_figure, save_json, save_png
 
     written: list[Path] = []
     log = TensorBoardImages(args.tensorboard)
@@ -197,7 +198,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mechanism":
         run_mechanism(args)
         return 0
-    from mdlmpe_ds.analysis.diagnostics import run_checkpoint
 
     run_checkpoint(args)
     return 0

@@ -29,6 +29,17 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.analysis.plots import (
+    TensorBoardImages,
+    draw_denoising,
+    draw_gates,
+    draw_phase,
+    new_figure,
+    save_json,
+    save_png,
+)
+from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate
+from mdlmpe_ds.evaluation.loading import load_model
 from mdlmpe_ds.pe.phase import mdlmpe_pairs, pair_phase
 
 SCHEDULES = {
@@ -191,7 +202,6 @@ def sampler_trajectory(
 ) -> list[torch.Tensor]:
     """The states of one ``generate`` call from ``canvas`` [1, L] = [prompt, masks]: the input of every
     model call (``record_history``) and the final sequence. Each [1, L]."""
-    from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate
 
     mask_id = model.config.mask_token_id
     masked = (canvas[0] == mask_id).nonzero().flatten()
@@ -263,7 +273,6 @@ def run_checkpoint(args: argparse.Namespace) -> list[Path]:
     ``--model`` is whatever ``launch/generate.py --checkpoint`` takes: an export or other HF-format
     directory, a hub id, or a training output (output_dir, ``checkpoints/``, a step directory or
     ``latest``: its newest complete checkpoint, consolidated in this process)."""
-    from mdlmpe_ds.evaluation.loading import load_model
 
     model, _ = load_model(str(args.model), device=args.device, dtype=args.dtype)
     return diagnose(model, args, source=str(args.model))
@@ -272,15 +281,6 @@ def run_checkpoint(args: argparse.Namespace) -> list[Path]:
 def diagnose(model: torch.nn.Module, args: argparse.Namespace, source: str) -> list[Path]:
     """Compute every diagnostic for ``model`` and write gates.png, phase_residual.png, denoising.png and
     diagnostics.json under ``args.out``; log the figures to TensorBoard when ``args.tensorboard``."""
-    from mdlmpe_ds.analysis.plots import (
-        TensorBoardImages,
-        draw_denoising,
-        draw_gates,
-        draw_phase,
-        new_figure,
-        save_json,
-        save_png,
-    )
 
     _require_mdlmpe(model)
     config = model.config

@@ -24,6 +24,7 @@ from mdlmpe_ds.data.asset_archives import (
     AssetError,
     check_digest,
 )
+from mdlmpe_ds.data.tokenizers import build_gpt2_tokenizer, build_qwen25_tokenizer
 
 # --------------------------------------------------------------------------------------------------
 # Builders: each writes its part's files under `out` (a staging dir) from verified archives.
@@ -45,7 +46,6 @@ def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
 
 
 def _build_qwen_tokenizer(src: dict[str, ArchiveReader], out: Path) -> None:
-    from mdlmpe_ds.data.tokenizers import build_qwen25_tokenizer
 
     data = src["dashscope"].read("dashscope/resources/qwen.tiktoken")
     check_digest("dashscope/resources/qwen.tiktoken", data, QWEN_TIKTOKEN_SHA256)
@@ -56,7 +56,6 @@ def _build_qwen_tokenizer(src: dict[str, ArchiveReader], out: Path) -> None:
 
 
 def _build_gpt2_tokenizer(src: dict[str, ArchiveReader], out: Path) -> None:
-    from mdlmpe_ds.data.tokenizers import build_gpt2_tokenizer
 
     data = src["openai_whisper"].read(GPT2_TIKTOKEN_MEMBER)
     with tempfile.TemporaryDirectory(dir=out) as tmp:

@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.data import named_corpora as named
-from mdlmpe_ds.data.fingerprint import file_sha256
-from mdlmpe_ds.data.pretrain import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
+from mdlmpe_ds.data.assets import ensure_assets
+from mdlmpe_ds.data.fingerprint import file_sha256, store_fingerprints
+from mdlmpe_ds.data.packing import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
+from mdlmpe_ds.data.parallel_tokenize import default_workers, parallel_token_documents
+from mdlmpe_ds.data.token_store import open_or_build
+from mdlmpe_ds.hub.resolve import resolve_tokenizer, split_dataset_name
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,6 @@ TABULAR_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 def named_corpus_file(name: str) -> Path:
     """Prepare (if needed) and return the text file of a named corpus."""
-    from mdlmpe_ds.data.assets import ensure_assets
 
     corpus = NAMED_CORPORA[name]
     paths = ensure_assets(parts=(corpus.part,))
@@ -175,9 +178,6 @@ def load_packed_corpus(
     sep = separator_for(tokenizer, separator_id)
     if cache_dir is None:
         return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
-    from mdlmpe_ds.data.fingerprint import store_fingerprints
-    from mdlmpe_ds.data.parallel_tokenize import default_workers, parallel_token_documents
-    from mdlmpe_ds.data.token_store import open_or_build
 
     if workers is None:
         workers = default_workers() if named.is_hub_corpus(spec) else 1
@@ -248,7 +248,6 @@ def corpus_documents(
     error = unknown_corpus(spec)
     if error is not None:
         raise error
-    from mdlmpe_ds.hub.resolve import split_dataset_name
 
     name, config = split_dataset_name(spec)  # "name:config" names a hub dataset's config
     source = {"hub": name, "config": config, "split": "train"}
@@ -304,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from transformers import AutoTokenizer
-
-    from mdlmpe_ds.hub.resolve import resolve_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m mdlmpe_ds.data.corpora", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
+from mdlmpe_ds.data.packing import token_documents
+
 _tokenizer = None
 
 
@@ -32,7 +34,6 @@ def parallel_token_documents(
 ) -> Iterator[list[int]]:
     """Each text's ids (no special tokens), as ``data.pretrain.token_documents`` gives them, with
     ``workers`` processes (<= 1: in this process)."""
-    from mdlmpe_ds.data.pretrain import token_documents
 
     if workers <= 1:
         yield from token_documents(texts, tokenizer, batch_size)

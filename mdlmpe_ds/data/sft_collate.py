@@ -1,4 +1,4 @@
-"""SFT micro-batches: ``SFTCollator`` pads tokenised examples (data/sft.py) with EOS into the
+"""SFT micro-batches: ``SFTCollator`` pads tokenised examples (data/sft_encode.py) with EOS into the
 trainer's tensors, with Dream-train's optional per-batch response cutoff, drawn from a generator
 keyed by the batch alone so a resumed run redraws it exactly.
 """
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mdlmpe_ds.data.sft import SFTExample
+from mdlmpe_ds.data.sft_encode import SFTExample
 from mdlmpe_ds.seeding import mix_seed
 
 PERBATCH_CUTOFFS = ("none", "random", "random_with_input_pad")

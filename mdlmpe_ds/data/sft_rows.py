@@ -1,7 +1,7 @@
 """SFT chat rows: read a local json/jsonl/parquet file or a hub dataset row by row (naming the
 file, line and byte offset of what cannot be read), and validate each row into messages
 (``row_messages``) and (prompt turns, response) pairs (``conversation_pairs``). The row formats
-are described in data/sft.py; tokenising and caching are there too.
+are described in data/sft_encode.py; tokenising and caching are there too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from mdlmpe_ds.data.chat_templates import Message
+from mdlmpe_ds.hub.resolve import split_dataset_name
 
 ROLES = ("system", "user", "assistant")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -60,7 +61,6 @@ def load_sft_rows(source: str | Path, split: str = "train") -> Any:
     fmt = _local_format(source)
     if fmt is not None:
         return datasets.load_dataset(fmt, data_files={split: source}, split=split)
-    from mdlmpe_ds.hub.resolve import split_dataset_name
 
     name, config = split_dataset_name(source)  # "HuggingFaceTB/smoltalk:all" names config "all"
     return datasets.load_dataset(name, config, split=split)

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from mdlmpe_ds.diffusion.elbo import noise_level
 from mdlmpe_ds.seeding import generator
 
 LAYOUTS = ("iid", "semi_ar", "spans", "mix")
@@ -140,7 +141,6 @@ def corrupt_layout(
     """The ``layout`` masks of each window (module doc). ``maskable`` [B, L] bool: positions that
     may be masked and scored (e.g. not a Dream BOS). ``t`` [B] overrides the noise draw (antithetic
     or stratified evaluation); the structure draws stay the window's own."""
-    from mdlmpe_ds.diffusion.elbo import noise_level
 
     check_layout(layout)
     maskable = maskable.to(device="cpu", dtype=torch.bool)

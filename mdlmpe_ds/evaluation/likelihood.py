@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate
+
 
 def stratified_mask_counts(target_len: int, batch: int, generator: torch.Generator) -> torch.Tensor:
     """k for each of ``batch`` rows: k0 ~ U{1..T}, then ``stratified_from(k0, T, batch)``. [batch] long."""
@@ -132,7 +134,6 @@ def greedy_matches(
 ) -> bool:
     """Whether LLaDA-style greedy decoding (one token per step, low confidence, T = 0, one block)
     of ``len(continuation)`` tokens after ``context`` reproduces the continuation exactly."""
-    from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate
 
     T = len(continuation)
     config = SamplerConfig(gen_length=T, steps=T, algorithm="low_confidence", stop_at_eos=False)

@@ -46,7 +46,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from mdlmpe_ds.data.chat_templates import template_for
 from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate, trim_at_eos
+from mdlmpe_ds.distributed import collectives
 from mdlmpe_ds.evaluation.likelihood import blockwise_elbo, conditional_elbo, greedy_matches
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 from mdlmpe_ds.seeding import mix_seed
@@ -264,7 +266,6 @@ class MDLMPEEvalLM(LM):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._world_size == 1:
             return tensor
-        from mdlmpe_ds import collectives
 
         tensor = tensor if tensor.dim() else tensor[None]
         return torch.cat(collectives.all_gather(tensor))  # host tensors over gloo, never NCCL
@@ -292,7 +293,6 @@ class MDLMPEEvalLM(LM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        from mdlmpe_ds.data.chat_templates import template_for
 
         template = template_for(self.model.config.family, self.tokenizer)
         return template.render(chat_history, add_generation_prompt=add_generation_prompt)
@@ -333,6 +333,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     if "LOCAL_RANK" in os.environ:  # a torchrun worker: tear down the process group, then exit cleanly
-        from mdlmpe_ds.engine import exit_after_teardown
+        from mdlmpe_ds.distributed.process_group import exit_after_teardown
 
         exit_after_teardown(0)

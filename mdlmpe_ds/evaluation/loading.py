@@ -14,9 +14,13 @@ from typing import Any
 
 import torch
 
+from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
+from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.device import check_device
 from mdlmpe_ds.models.hf_io import CONFIG_NAME, load_pretrained
 from mdlmpe_ds.models.transformer import DiffusionLM
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training.consolidate import checkpoint_state, consolidated_state
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -28,9 +32,6 @@ def is_hf_dir(path: str | Path) -> bool:
 
 
 def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
-    from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds.consolidate import checkpoint_state, consolidated_state
-    from mdlmpe_ds.models.config import ModelConfig
 
     step_dir = ckpt.resolve_checkpoint(path)
     saved = ckpt.read_saved_run(step_dir)
@@ -73,7 +74,6 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def _local(path: str | Path, what: str) -> Path:
     """A local path as is; a hub id (``org/name``) through the hub cache or ``snapshot_download``."""
-    from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
 
     if Path(path).exists() or not looks_like_hub_id(str(path)):
         return Path(path)

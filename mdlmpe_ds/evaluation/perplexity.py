@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mdlmpe_ds.data.corpora import load_packed_corpus
-from mdlmpe_ds.data.pretrain import packed_collate
+from mdlmpe_ds.data.packing import packed_collate
 from mdlmpe_ds.diffusion.elbo import diffusion_elbo, scored_positions
 
 

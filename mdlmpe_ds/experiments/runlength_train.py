@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mdlmpe_ds.evaluation.knockout import knockout
+from mdlmpe_ds.experiments.knockout import knockout
 from mdlmpe_ds.experiments.runlength_arms import KNOCKOUTS, build_arm
 from mdlmpe_ds.experiments.runlength_data import GEOMETRIES, Batch, eval_batches, make_batch
 from mdlmpe_ds.seeding import mix_seed

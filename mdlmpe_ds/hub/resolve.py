@@ -19,6 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from mdlmpe_ds.distributed import collectives
+
 # What a model directory needs (config, weights, the modeling code of a remote-code checkpoint,
 # the tokenizer files next to it); what a tokenizer needs.
 MODEL_PATTERNS = [
@@ -108,8 +110,6 @@ def resolve(
         revision = at
     patterns = patterns or (TOKENIZER_PATTERNS if tokenizer else MODEL_PATTERNS)
     import torch.distributed as dist
-
-    from mdlmpe_ds import collectives
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Each node's first rank downloads into its (possibly node-local) cache; the others wait on

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mdlmpe_ds.data.chat_templates import template_for
+
 # Same output as chat_templates.render_llada (content stripped like str.strip()).
 LLADA_JINJA = (
     "{{ '<|startoftext|>' }}"
@@ -38,7 +40,6 @@ JINJA_BY_RENDERER = {"llada": LLADA_JINJA, "chatml": CHATML_JINJA}
 def training_chat_template(family: str, tokenizer: Any) -> tuple[str, str | None]:
     """(renderer name, Jinja string) of the template SFT uses for ``family`` with ``tokenizer``;
     the Jinja is None when training used the tokenizer's own template (nothing to change)."""
-    from mdlmpe_ds.data.chat_templates import template_for
 
     template = template_for(family, tokenizer)
     return template.name, JINJA_BY_RENDERER.get(template.name)

@@ -1,6 +1,6 @@
 """Configuration of the MDLMPE position encoding (docs/method.md, paper Appendix A and C).
 
-Kept in its own module (not in ``mdlmpe_ds.config``) so the pure-torch encoding can be used and
+Kept in its own module (not in ``mdlmpe_ds.config.run``) so the pure-torch encoding can be used and
 tested without the trainer's configuration tree; the trainer's ``ModelConfig`` embeds this.
 """
 

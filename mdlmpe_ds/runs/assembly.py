@@ -2,7 +2,7 @@
 config, find the resume point, read the data, build the engine, construct the trainer, train and
 summarise. SFT and pretraining differ only in where their tokenizer and data come from, which task
 turns the data into batches and what their summary adds; they pass those parts in as a ``RunKind``
-(runs/sft.py, runs/pretrain.py), so the order that ZeRO-3, resume and the data checks rely on is
+(runs/sft_run.py, runs/pretrain_run.py), so the order that ZeRO-3, resume and the data checks rely on is
 written once, here.
 """
 
@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds.callbacks import callbacks_for
-from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.faults import NO_FAULTS, Faults
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer
 from mdlmpe_ds.runs.common import (
     build_engine,
@@ -27,7 +26,9 @@ from mdlmpe_ds.runs.common import (
     prepare_resume,
     total_updates_for,
 )
-from mdlmpe_ds.trainer import Trainer
+from mdlmpe_ds.training.callbacks import callbacks_for
+from mdlmpe_ds.training.faults import NO_FAULTS, Faults
+from mdlmpe_ds.training.trainer import Trainer
 
 
 def store_dir(run: RunConfig) -> Path:
@@ -115,7 +116,7 @@ def assemble_and_train(
 ) -> dict:
     """Build everything in the ZeRO-3 order and train. Call inside `engine.distributed_session`
     (except dry runs, which plan from the model's config alone on the meta device and need no
-    process group). ``faults``: test hooks (mdlmpe_ds/faults.py); ``allow_changes``: the keys of
+    process group). ``faults``: test hooks (mdlmpe_ds/training/faults.py); ``allow_changes``: the keys of
     --allow_config_change.
 
     The order: inputs (tokenizer, model config), then the resume point (its config and model are
@@ -125,7 +126,7 @@ def assemble_and_train(
         return dry_run_plan(run, ds_config_path, resume)
     inputs = run_inputs(run, kind)
     model_config = inputs.model_config
-    ds_config = eng.prepare_ds_config(ds_config_path, run, eng.world_size())
+    ds_config = eng.prepare_ds_config(ds_config_path, run, process_group.world_size())
     resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run, allow_changes)
     data = kind.load_data(run, inputs)
     check_resume_data(resume_from, data.fingerprint, run)

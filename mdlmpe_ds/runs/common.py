@@ -1,6 +1,6 @@
 """What every training run assembles before its loop: the model config, the output directory and
 resume point, the model and its DeepSpeed engine, the plan, and the checks that all ranks hold the
-same data. ``runs/sft.py`` and ``runs/pretrain.py`` put these together with their own data.
+same data. ``runs/sft_run.py`` and ``runs/pretrain_run.py`` put these together with their own data.
 """
 
 from __future__ import annotations
@@ -16,10 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import collectives, lora, resume_changes, run_lock
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds import run_lock
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.distributed import collectives, process_group
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.hub.resolve import local_run
+from mdlmpe_ds.lora import adapters as lora
+from mdlmpe_ds.models.hf_io import load_weights_into, read_hf_config
+from mdlmpe_ds.models.presets import preset
+from mdlmpe_ds.models.transformer import DiffusionLM
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import resume_changes
+from mdlmpe_ds.training.memory_plan import plan_memory
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +61,9 @@ def model_config_for(run: RunConfig, tokenizer):
     ``tokenizer`` None (a dry run): a preset keeps its own vocabulary and ids unless the run sets them."""
     import dataclasses
 
-    from mdlmpe_ds.models.presets import preset
-
     m = run.model
     mdlmpe = run.mdlmpe_config().validate()
     if m.model_name_or_path is not None:
-        from mdlmpe_ds.models.hf_io import read_hf_config
-
         base = read_hf_config(m.model_name_or_path)
         # L_ref of MDLMPE is the run's max length, and the model config must agree with it.
         return dataclasses.replace(
@@ -108,7 +112,6 @@ def _preset_with_mask_for(name: str, tokenizer_size: int):
     """The preset whose own mask id (and table size) serve when the tokenizer declares no mask token:
     LLaDA's tokenizer has none, and its model config's 126336 is the source of truth. Only when the
     preset's table covers the tokenizer; else the error naming the key to set."""
-    from mdlmpe_ds.models.presets import preset
 
     own = preset(name)
     if own.vocab_size >= tokenizer_size:
@@ -183,7 +186,7 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
     train.overwrite_output_dir, clear) an output_dir holding another run's checkpoints when this run
     does not resume. A dry run only checks."""
     t = run.train
-    if eng.rank() == 0:
+    if process_group.rank() == 0:
         if not dry_run:  # before anything in output_dir is touched (run_lock.py)
             run_lock.acquire(t.output_dir, log=log.warning)
         for action in [] if dry_run else ckpt.recover_interrupted(t.output_dir):
@@ -205,7 +208,7 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
                 shutil.rmtree(stale, ignore_errors=True)
             (out / "metrics.jsonl").unlink(missing_ok=True)
             log.info(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
-    eng.barrier()
+    process_group.barrier()
 
 
 def prepare_resume(
@@ -223,19 +226,19 @@ def prepare_resume(
     engine to its universal copy."""
     prepare_output_dir(resume, run, dry_run)
     resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.info)
-    eng.barrier()  # every rank has verified before rank 0 may move anything
+    process_group.barrier()  # every rank has verified before rank 0 may move anything
     if resume_from is None:
         return None
     saved = ckpt.read_saved_run(resume_from)
     allowed = resume_changes.parse_allowed(allow_changes)
     for line in resume_changes.check_resume_config(saved.run_config, run.to_dict(), allowed, resume_from):
         log.info(line)
-    if eng.rank() == 0 and not dry_run:
+    if process_group.rank() == 0 and not dry_run:
         for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
             log.info(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
-    eng.barrier()
+    process_group.barrier()
     ckpt.check_same_model(saved, model_config.to_dict())
-    world = eng.world_size()
+    world = process_group.world_size()
     if saved.world_size != world:
         if not (resume_from / ckpt.DS_UNIVERSAL_TAG).is_dir():
             raise RuntimeError(eng.load_universal_instructions(resume_from, saved.world_size, world))
@@ -248,7 +251,6 @@ def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):
     """The model under ZeRO-3: weights created partitioned with the run's seed (the same on every
     rank), MDLMPE initialised, a pretrained directory streamed in. A dry run builds on the meta
     device only. The one place a run's model is made (and wrapped, e.g. by adapters)."""
-    from mdlmpe_ds.models.transformer import DiffusionLM
 
     torch.manual_seed(run.train.seed)  # same initial weights on every rank
     build = functools.partial(DiffusionLM, model_config, impl=run.attention, recompute=run.recompute())
@@ -256,8 +258,6 @@ def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):
     if not dry_run:
         eng.init_mdlmpe_parameters(model)
         if run.model.model_name_or_path is not None:
-            from mdlmpe_ds.models.hf_io import load_weights_into
-
             load_weights_into(model, run.model.model_name_or_path, gathered=eng.gathered_factory())
     return model
 
@@ -279,14 +279,15 @@ def build_engine(
     model = build_model(run, model_config, ds_config, dry_run)
     params = {"backbone": model.num_backbone_parameters(), "mdlmpe": model.num_mdlmpe_parameters()}
     params["total"] = params["backbone"] + params["mdlmpe"]
-    plan = describe_plan(as_written or run, model_config, eng.world_size(), total, n_examples, params)
+    plan = describe_plan(
+        as_written or run, model_config, process_group.world_size(), total, n_examples, params
+    )
     plan += lora.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
-    from mdlmpe_ds.memory_plan import plan_memory
 
     # A CPU machine plans for GPUs when told bf16 (the documented way); fp32 there is a CPU run.
-    cpu_ranks = eng.on_cpu() and not ds_config.get("bf16", {}).get("enabled")
+    cpu_ranks = process_group.on_cpu() and not ds_config.get("bf16", {}).get("enabled")
     memory = plan_memory(
-        model_config, ds_config, eng.world_size(), run.train.micro_batch_size, run.data.max_len,
+        model_config, ds_config, process_group.world_size(), run.train.micro_batch_size, run.data.max_len,
         impl=run.attention, recompute=run.recompute(), device="cpu" if cpu_ranks else "cuda",
         **lora.memory_plan_kwargs(params),
     )  # fmt: skip
@@ -307,11 +308,10 @@ def dry_run_plan(run: RunConfig, ds_config_path: str, resume: str | None = None)
     """``--dry-run``: the plan from the model's config alone. A hub id fetches its config.json only;
     no weights, tokenizer or data are read (the vocabulary is the config's). Validates the config and
     the ds config's batch arithmetic, builds the model on the meta device, prints the plan."""
-    from mdlmpe_ds.hub.resolve import local_run
 
     local = local_run(run, config_only=True)
     model_config = model_config_for(local, tokenizer=None)
-    ds_config = eng.prepare_ds_config(ds_config_path, run, eng.world_size())
+    ds_config = eng.prepare_ds_config(ds_config_path, run, process_group.world_size())
     resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run=True)
     total = run.train.max_steps
     _, built = build_engine(local, model_config, ds_config, total, None, True, resume_from, as_written=run)

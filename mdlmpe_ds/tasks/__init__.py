@@ -1,4 +1,4 @@
-"""Training tasks: what one kind of run feeds the loop (``mdlmpe_ds/trainer.py``).
+"""Training tasks: what one kind of run feeds the loop (``mdlmpe_ds/training/trainer.py``).
 
 A task owns its data order (a sampler whose state a checkpoint stores), its corruption draw and its
 loss; the trainer owns everything else (head schedule, accumulation, DeepSpeed steps, metrics,

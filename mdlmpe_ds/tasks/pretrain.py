@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from mdlmpe_ds import collectives, stop_request
-from mdlmpe_ds.config import TrainConfig
+from mdlmpe_ds import stop_request
+from mdlmpe_ds.config.run import TrainConfig
 from mdlmpe_ds.diffusion.elbo import diffusion_elbo, scored_positions
 from mdlmpe_ds.diffusion.layouts import corrupt_layout
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss
-from mdlmpe_ds.head_chunks import configured_chunk, group_chunk_count
+from mdlmpe_ds.distributed import collectives
 from mdlmpe_ds.tasks import Micro, engine_device
+from mdlmpe_ds.training.head_chunks import configured_chunk, group_chunk_count
 
 
 def pretrain_corruption(

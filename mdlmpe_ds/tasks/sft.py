@@ -12,12 +12,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mdlmpe_ds.config import TrainConfig
+from mdlmpe_ds.config.run import TrainConfig
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_sft_loss
-from mdlmpe_ds.head_chunks import configured_chunk, group_chunk_count
 from mdlmpe_ds.tasks import Micro, engine_device
+from mdlmpe_ds.training.head_chunks import configured_chunk, group_chunk_count
 
 
 class Corrupted(NamedTuple):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
 from mdlmpe_ds.diffusion.losses import llada_sft_loss
-from mdlmpe_ds.head_chunks import group_chunk_count
+from mdlmpe_ds.training.head_chunks import group_chunk_count
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.transformer import DiffusionLM

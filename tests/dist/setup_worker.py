@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from mdlmpe_ds import collectives
-from mdlmpe_ds import engine as eng
+from mdlmpe_ds.distributed import collectives
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.runs.common import rank_zero_first
 
 
@@ -21,7 +22,7 @@ def main() -> None:
     if mode == "two_nodes":
         os.environ["LOCAL_RANK"] = "0"  # each rank the first (only) rank of its own node
     with eng.distributed_session(timeout_min=0.05, setup_timeout_min=0.05 if mode == "late" else 2.0):
-        rank = eng.rank()
+        rank = process_group.rank()
 
         def build() -> int:
             (root / f"start-{rank}").touch()
@@ -45,7 +46,7 @@ def main() -> None:
         assert rank_zero_first(build) == rank
         # Training collectives still work (and on the short timeout) after the long setup wait.
         assert collectives.all_reduce_sum([1.0, float(rank)]) == [2.0, 1.0]
-    eng.exit_after_teardown(0)
+    process_group.exit_after_teardown(0)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def command(
     args: list[str], nproc: int = 2, faults: dict | None = None, ds_config: Path = DS_CONFIG
 ) -> list[str]:
-    """torchrun on launch/sft.py, or with ``faults`` (mdlmpe_ds.faults.Faults fields) on the worker
+    """torchrun on launch/sft.py, or with ``faults`` (mdlmpe_ds.training.faults.Faults fields) on the worker
     that injects them (sft_with_faults.py); ``ds_config``: the DeepSpeed config (default: the shipped
     zero3.json)."""
     script = [str(SFT)] if faults is None else [str(FAULTS_WORKER), json.dumps(faults)]

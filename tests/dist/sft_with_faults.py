@@ -1,4 +1,4 @@
-"""torchrun worker: launch/sft.py's ``main`` with test faults injected (mdlmpe_ds/faults.py).
+"""torchrun worker: launch/sft.py's ``main`` with test faults injected (mdlmpe_ds/training/faults.py).
 
 Usage: ``sft_with_faults.py FAULTS_JSON <launch/sft.py arguments>``, where FAULTS_JSON holds
 ``Faults`` fields, e.g. ``{"nan_updates": [1, 3], "kill_in_save": 8, "probe_logits": "p.pt"}``.
@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from mdlmpe_ds import launching
-from mdlmpe_ds.faults import Faults
+from mdlmpe_ds.runs import launching
+from mdlmpe_ds.training.faults import Faults
 
 SFT = Path(__file__).resolve().parents[2] / "launch" / "sft.py"
 

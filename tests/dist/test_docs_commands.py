@@ -182,7 +182,7 @@ def inputs(cmd: Command) -> list[str]:
         if prev in ("--checkpoint", "--model") or (i == 0 and not arg.startswith("-") and "/" in arg):
             out.append(arg)
         out += re.findall(r"pretrained=([^,]+)", arg)
-    if cmd.target == "-m mdlmpe_ds.engine":
+    if cmd.target == "-m mdlmpe_ds.distributed.engine":
         out = args[1:2]
     return out
 

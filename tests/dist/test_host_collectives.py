@@ -54,14 +54,14 @@ def test_sft_under_nccl_device_rule(tmp_path):
     assert sorted(metrics(out)) == [1, 2]
     calls = checked_calls(log)
     for rank in ("0", "1"):
-        assert calls[(rank, "all_reduce", "mdlmpe_ds.collectives")] >= 2  # one per update
-        assert calls[(rank, "all_gather", "mdlmpe_ds.collectives")] >= 1  # the data fingerprint
+        assert calls[(rank, "all_reduce", "mdlmpe_ds.distributed.collectives")] >= 2  # one per update
+        assert calls[(rank, "all_gather", "mdlmpe_ds.distributed.collectives")] >= 1  # the data fingerprint
     # The tokenised data is cached under the output dir: a restart or resume does not tokenise again.
     assert len(list((out / "data_cache").glob("sft-*.npz"))) == 1
 
 
 def test_pretrain_under_nccl_device_rule(assets, tmp_path):
-    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 
     corpus = assets("botchan").botchan
     tok = sentencepiece_for_corpus(str(corpus), 400, cache_root=tmp_path / "tok")
@@ -79,8 +79,8 @@ def test_pretrain_under_nccl_device_rule(assets, tmp_path):
     assert sorted(metrics(out)) == [1, 2]
     calls = checked_calls(log)
     for rank in ("0", "1"):
-        assert calls[(rank, "all_reduce", "mdlmpe_ds.collectives")] >= 2
-        assert calls[(rank, "all_gather", "mdlmpe_ds.collectives")] >= 1  # the token-stream fingerprint
+        assert calls[(rank, "all_reduce", "mdlmpe_ds.distributed.collectives")] >= 2
+        assert calls[(rank, "all_gather", "mdlmpe_ds.distributed.collectives")] >= 1  # the token-stream fingerprint
     # Training and validation windows of the same corpus: one token store, built once, complete.
     assert len(list((out / "data_cache").glob("store-*/COMPLETE"))) == 1
 

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, cache: str, results: str) -> None:
 
 
 def test_ranks_resolve_the_same_snapshot_and_share_rank0_errors(tmp_path):
-    from mdlmpe_ds.launching import free_port
+    from mdlmpe_ds.runs.launching import free_port
 
     repo = tmp_path / "cache" / "models--org--tiny"
     (repo / "snapshots" / REV).mkdir(parents=True)

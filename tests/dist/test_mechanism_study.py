@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
-    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 
     corpus = str(assets("botchan").botchan)
     tok = sentencepiece_for_corpus(corpus, 400, cache_root=tmp_path / "tok")

@@ -24,7 +24,7 @@ N = 6  # updates
 
 @pytest.fixture(scope="module")
 def data(assets, tmp_path_factory):
-    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 
     corpus = assets("botchan").botchan
     tok = sentencepiece_for_corpus(str(corpus), 400, cache_root=tmp_path_factory.mktemp("tok"))

@@ -28,7 +28,7 @@ from sft_runs import (
     tensorboard_steps,
 )
 
-from mdlmpe_ds import checkpoint as ckpt
+from mdlmpe_ds.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
 
@@ -47,7 +47,7 @@ def copy_run(straight, out, steps=(4, 8)) -> None:
 def test_resume_applies_a_new_lr_and_refuses_a_new_corruption(sft_straight, sft_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mdlmpe_ds.engine import warmup_cosine
+    from mdlmpe_ds.distributed.engine import warmup_cosine
 
     out = tmp_path / "lr"
     copy_run(sft_straight, out, steps=(4,))
@@ -118,8 +118,8 @@ def test_a_non_finite_update_is_never_saved_as_good(sft_data, tmp_path):
 def test_save_on_signal_model_writes_the_trained_weights(sft_straight, sft_data, tmp_path):
     """A stop during update 4 with train.save_on_signal model: no checkpoint, the weights of update
     4 only, equal to the straight run's update-4 checkpoint, exported like a checkpoint."""
-    from mdlmpe_ds import weights_only
-    from mdlmpe_ds.engine import fp32_state_dict_from_checkpoint
+    from mdlmpe_ds.training import weights_only
+    from mdlmpe_ds.distributed.engine import fp32_state_dict_from_checkpoint
 
     out = tmp_path / "model_only"
     args = [*sft_data, *BASE_ARGS, "--output_dir", str(out), "--save_on_signal", "model"]

@@ -59,7 +59,7 @@ def test_resume_on_another_world_size(sft_straight, data, tmp_path):
     assert "written by 2 ranks but this run has 1" in proc.stderr and "to-universal" in proc.stderr
     step4 = out / "checkpoints" / "step_000004"
     convert = subprocess.run(
-        [sys.executable, "-m", "mdlmpe_ds.engine", "to-universal", str(step4)],
+        [sys.executable, "-m", "mdlmpe_ds.distributed.engine", "to-universal", str(step4)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -72,7 +72,7 @@ def test_resume_on_another_world_size(sft_straight, data, tmp_path):
     assert max(rows) == 8 and all(math.isfinite(rows[s]["train/loss"]) for s in range(5, 9))
     # The lr schedule continues where the 2-rank run stopped (restored scheduler state): update
     # index 4 of warmup 2 + cosine over 8 at peak 3e-3 (BASE_ARGS), not a restarted warmup.
-    from mdlmpe_ds.engine import warmup_cosine
+    from mdlmpe_ds.distributed.engine import warmup_cosine
 
     assert rows[5]["train/lr"] == pytest.approx(3e-3 * warmup_cosine(2, 8, True, 0.1)(4), rel=1e-12)
 

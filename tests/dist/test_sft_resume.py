@@ -57,7 +57,7 @@ def _model_config(step_dir: Path) -> dict:
 def _as_older_versions_wrote_it(step_dir: Path) -> None:
     """Put the run's checkpointing switches back into the checkpoint's model config, where older
     versions stored them (they are run-time choices now), and write its manifest to match."""
-    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds.training import checkpoint as ckpt
 
     meta = json.loads((step_dir / "config.json").read_text())
     meta["model_config"].update(gradient_checkpointing=True, recompute_mdlmpe_attention=False)
@@ -126,7 +126,7 @@ def test_bf16_straight_equals_interrupted(straight, data, tmp_path):
 
 def test_numerics_differences_are_named():
     """A checkpoint written with another intra-op thread count is flagged on resume (CPU)."""
-    from mdlmpe_ds.checkpointer import numerics_differences, numerics_state
+    from mdlmpe_ds.training.checkpointer import numerics_differences, numerics_state
 
     assert numerics_differences(numerics_state()) == []
     assert numerics_differences(None) == []  # checkpoints from before the field
@@ -202,7 +202,7 @@ def test_reexport_sharded_over_a_single_file_export_and_into_the_checkpoint(stra
 
     from transformers import AutoModel
 
-    from mdlmpe_ds import checkpoint as ckpt
+    from mdlmpe_ds.training import checkpoint as ckpt
     from mdlmpe_ds.models.hf_io import load_pretrained
 
     export = launch_module("export")

@@ -34,7 +34,7 @@ def launch(args: list[str], hub, timeout: float = 300) -> subprocess.CompletedPr
 
 
 def test_openwebtext_by_name_store_built_once_and_shared(assets, tmp_path):
-    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 
     corpus = assets("botchan").botchan
     sentences = [s.strip() for s in corpus.read_text().replace("\n", " ").split(".") if len(s.split()) > 3]

@@ -89,6 +89,6 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    from mdlmpe_ds.engine import exit_after_teardown
+    from mdlmpe_ds.distributed.process_group import exit_after_teardown
 
     exit_after_teardown(0)  # success: skip gloo's racy C++ teardown

@@ -1,6 +1,6 @@
 """A real NCCL run on CUDA devices: launch/sft.py on up to 2 GPUs, a few updates.
 
-Before host-tensor collectives moved to gloo groups (mdlmpe_ds/collectives.py), every GPU run
+Before host-tensor collectives moved to gloo groups (mdlmpe_ds/distributed/collectives.py), every GPU run
 died at its first data fingerprint or update sum: an all_gather / all_reduce of a CPU float64
 tensor on the NCCL default group ("No backend type associated with device type cpu"), also on one
 GPU. tests/dist/test_host_collectives.py checks the same on the CPU with a mimic of NCCL's device

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdlmpe_ds.data.sft import SFTExample
 from mdlmpe_ds.data.sft_collate import SFTCollator
+from mdlmpe_ds.data.sft_encode import SFTExample
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt, num_blocks, sampling_visibility
 from mdlmpe_ds.diffusion.corruption import noise_generator
 from mdlmpe_ds.models import DiffusionLM, preset

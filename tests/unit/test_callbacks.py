@@ -1,4 +1,4 @@
-"""The loop's callbacks (mdlmpe_ds/callback.py, callbacks.py) on a real Trainer and checkpointer
+"""The loop's callbacks (mdlmpe_ds/training/callback.py, callbacks.py) on a real Trainer and checkpointer
 with a stand-in engine and task (no DeepSpeed, one process): the hooks run at their points, a
 non-finite update defers the save due at it, a stop saves and raises ``Stopped``. The same
 behaviour on the real 2-rank engine is tests/dist/test_sft_faults.py and test_sft_resume.py."""
@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds import checkpoint as ckpt
 from mdlmpe_ds import stop_request
-from mdlmpe_ds.callback import Callback, NonFiniteError, Stopped
-from mdlmpe_ds.callbacks import callbacks_for
-from mdlmpe_ds.cli import build_config
+from mdlmpe_ds.config.cli import build_config
 from mdlmpe_ds.diffusion.losses import T_BUCKETS, LossStats
-from mdlmpe_ds.faults import NO_FAULTS, Faults
 from mdlmpe_ds.tasks import Micro
-from mdlmpe_ds.trainer import Trainer
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training.callback import Callback, NonFiniteError, Stopped
+from mdlmpe_ds.training.callbacks import callbacks_for
+from mdlmpe_ds.training.faults import NO_FAULTS, Faults
+from mdlmpe_ds.training.trainer import Trainer
 
 
 class _Model:

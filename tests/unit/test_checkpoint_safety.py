@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import checkpointer
 from mdlmpe_ds.data.fingerprint import Fingerprint
-from mdlmpe_ds.tracking import truncate_history
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import checkpointer
+from mdlmpe_ds.training.tracking import truncate_history
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
 
 
 def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
-    from mdlmpe_ds.cli import build_config
+    from mdlmpe_ds.config.cli import build_config
     from mdlmpe_ds.runs.common import prepare_output_dir
 
     save(tmp_path, 2)
@@ -153,8 +153,8 @@ def test_data_fingerprint_is_content_sensitive_and_checked(tmp_path):
 
 
 def test_fp16_ds_config_is_refused_by_name(tmp_path):
-    from mdlmpe_ds.cli import build_config
-    from mdlmpe_ds.engine import prepare_ds_config
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.distributed.engine import prepare_ds_config
 
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     cfg["fp16"] = {"enabled": True}
@@ -165,7 +165,7 @@ def test_fp16_ds_config_is_refused_by_name(tmp_path):
 
 
 def test_dry_run_checks_the_batch_against_the_ranks_the_run_will_have(monkeypatch):
-    from mdlmpe_ds import launching
+    from mdlmpe_ds.runs import launching
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv(launching.CPU_RANKS_ENV, raising=False)
@@ -193,7 +193,7 @@ def test_signals_request_a_graceful_stop_and_repeats_are_harmless():
     proc = _python(
         """
         import os, signal
-        from mdlmpe_ds import lifecycle
+        from mdlmpe_ds.training import lifecycle
         lifecycle.install(grace_s=30)
         for _ in range(3):  # the deepspeed launcher, torchrun and a scheduler each pass one on
             os.kill(os.getpid(), signal.SIGTERM)
@@ -213,7 +213,7 @@ def test_watchdog_stops_a_process_whose_launcher_died(tmp_path):
         import os, signal, subprocess, sys, time
         worker = '''
         import time, sys
-        from mdlmpe_ds import lifecycle
+        from mdlmpe_ds.training import lifecycle
         chain = lifecycle.install(grace_s=1.0, interval_s=0.1)
         open({str(marker)!r}, "w").write(str(len(chain)))
         while True:
@@ -260,8 +260,8 @@ def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
         import os, torch
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: False
-        from mdlmpe_ds import engine
-        from mdlmpe_ds.cli import build_config
+        from mdlmpe_ds.distributed import engine
+        from mdlmpe_ds.config.cli import build_config
         from mdlmpe_ds.models import DiffusionLM, preset
         run = build_config(None, ["--precision", "fp32", "--micro_batch_size", "1"])
         ds = engine.prepare_ds_config("ds_configs/zero3.json", run, world=1)
@@ -281,7 +281,7 @@ def test_fp32_parameters_stay_fp32_on_a_cpu_without_fp16():
 
 
 def test_resume_hint_drops_flags_a_resume_must_not_repeat():
-    from mdlmpe_ds.launching import resume_command
+    from mdlmpe_ds.runs.launching import resume_command
 
     rest = ["--max_len", "64", "--overwrite_output_dir", "true", "--resume=step_4", "--output_dir", "o d"]
     assert resume_command("launch/sft.py", "ds_configs/zero3.json", rest) == (
@@ -296,7 +296,7 @@ def test_resume_hint_drops_flags_a_resume_must_not_repeat():
 
 
 def test_outcome_line_counts_the_updates_reached():
-    from mdlmpe_ds.launching import outcome
+    from mdlmpe_ds.runs.launching import outcome
 
     one = [{"loss": 1.5}]
     assert outcome({"step": 2, "total_updates": 4, "history": one * 2}, 2) == (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mdlmpe_ds.config import SECTIONS
+from mdlmpe_ds.config.run import SECTIONS
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[2]

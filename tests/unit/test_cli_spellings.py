@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mdlmpe_ds import cli, recipes
-from mdlmpe_ds.cli import build_config
+from mdlmpe_ds.config import cli, recipes
+from mdlmpe_ds.config.cli import build_config
 
 
 @pytest.mark.parametrize(

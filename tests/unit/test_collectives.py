@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mdlmpe_ds import collectives
+from mdlmpe_ds.distributed import collectives
 
 
 def test_identity_without_a_process_group():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import copy
 
-from mdlmpe_ds import recipes
-from mdlmpe_ds.cli import build_config
-from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.config import recipes
+from mdlmpe_ds.config.cli import build_config
+from mdlmpe_ds.config.run import RunConfig
 from mdlmpe_ds.hub.resolve import local_run
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds.cli import build_config
+from mdlmpe_ds.config.cli import build_config
 from mdlmpe_ds.hub.resolve import HubResolveError, local_run, resolve, split_dataset_name
 from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
 
@@ -83,7 +83,7 @@ def test_missing_hub_id_offline_fails_clearly(hub_cache):
 
 
 def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_model, tmp_path, capsys):
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     model_dir, chat = tiny_hub_model
     hub_cache("org/tiny-llada", model_dir)
@@ -113,7 +113,7 @@ def test_dry_run_plans_from_config_json_alone(hub_cache, tmp_path, caplog):
     fp32 plan on this CPU machine is one for CPU ranks, without it."""
     import logging
 
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     hub_cache("GSAI-ML/LLaDA-8B-Instruct", _config_only(tmp_path / "cfg"))
     args = [
@@ -138,8 +138,8 @@ def test_dry_run_plans_from_config_json_alone(hub_cache, tmp_path, caplog):
 def test_recipe_dry_run_needs_only_the_configs(hub_cache, tmp_path):
     """--recipe llada-8b-sft names hub ids for model, tokenizer and data: its dry run needs nothing
     but the model's config.json in the cache."""
-    from mdlmpe_ds import recipes
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.config import recipes
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     hub_cache("GSAI-ML/LLaDA-8B-Base", _config_only(tmp_path / "cfg"))
     defaults = recipes.get("llada-8b-sft", "sft").defaults()
@@ -149,7 +149,7 @@ def test_recipe_dry_run_needs_only_the_configs(hub_cache, tmp_path):
 
 
 def test_a_model_directory_without_tokenizer_files_is_named_as_such(tmp_path):
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     model = _config_only(tmp_path / "model")
     run = build_config(None, ["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o")])

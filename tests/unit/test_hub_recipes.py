@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mdlmpe_ds import recipes
-from mdlmpe_ds.cli import build_config, valid_keys
-from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.config import recipes
+from mdlmpe_ds.config.cli import build_config, valid_keys
+from mdlmpe_ds.config.run import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -58,7 +58,7 @@ def test_paper_sft_values():
 
 
 def test_pretrain_preset_and_recipe_are_one_mechanism():
-    from mdlmpe_ds.recipes import pretrain_config
+    from mdlmpe_ds.config.recipes import pretrain_config
 
     for name in ("llada-100m", "dream-100m"):
         assert pretrain_config(name, 2) == pretrain_config(None, 2, recipe=name)

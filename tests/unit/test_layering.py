@@ -1,8 +1,11 @@
 """The package's layers, read from its imports (ast): every import between two units goes down.
 
-Top to bottom: launch scripts -> run assembly (runs/, compare) -> launching -> trainer -> tasks ->
-engine/checkpoint -> config -> models -> data, diffusion, attention -> pe, with small utilities
-(seeding, collectives, recipes, hub.resolve) at the bottom. Units on the same level never import
+Top to bottom: launch scripts -> experiments -> run assembly (runs/) -> evaluation, analysis, hub ->
+training/ (callbacks, trainer, checkpointer, checkpoint) -> tasks -> lora/ -> distributed/engine ->
+config/ -> models -> data, diffusion, attention -> pe, with small utilities (seeding, stop_request,
+run_lock, distributed/collectives and process_group, hub.resolve) at the bottom. The packages that
+group modules of different layers (training/, distributed/, lora/, config/) are checked module by
+module. Units on the same level never import
 each other, so the unit graph has no cycles. Imports inside functions count: a lazy import is a
 dependency all the same.
 """
@@ -17,35 +20,33 @@ REPO = Path(__file__).resolve().parents[2]
 # unit -> level; an import from unit A to another unit B needs LEVELS[A] > LEVELS[B].
 LEVELS: dict[str, int] = {
     "launch": 100,  # launch/*.py: argument parsing and the user-facing summary only
-    "runs": 90,  # run assembly: config, tokenizer, data, engine, tracker, resume
-    "compare": 90,  # the encoding comparison: trains through launch/pretrain.py, then evaluates
+    "experiments": 92,  # the comparison and the studies: train, evaluate, report
+    "runs": 90,  # run assembly (config, tokenizer, data, engine, tracker, resume); the launchers' helpers
     "evaluation": 80,
-    "experiments": 84,  # the studies: build models, train in-process, evaluate, report
     "analysis": 82,  # diagnostics of any model evaluation's loader reads (exports, runs, hub ids)
     "hub": 80,  # export (the hub's name resolution is a bottom utility: hub.resolve)
-    "launching": 85,  # the launchers' run flags, CPU re-launch, resume command, exit codes
-    "callbacks": 76,  # what the loop does besides training (head schedule, statistics, LoRA, stops, faults)
-    "trainer": 72,  # the loop
-    "checkpointer": 68,  # the save and resume protocol (staging, fsync, manifest, swap, verify, prune)
-    "callback": 66,  # the hook points of the loop (the base class the callbacks implement)
+    "training.callbacks": 76,  # head schedule, statistics, LoRA, stops, faults
+    "training.trainer": 72,  # the loop
     "tasks": 70,  # SFT / pretraining: batches, corruption, loss
-    "consolidate": 66,  # a checkpoint's weights as the plain model's (export and evaluation read it)
-    "lora": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
-    "lora_base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
-    "tracking": 62,
-    "lifecycle": 62,
-    "log_setup": 62,
-    "faults": 62,
-    "engine": 60,
-    "checkpoint": 60,
-    "memory_plan": 58,
-    "head_chunks": 56,  # the LM head's chunking of a run (rows from the environment, count by all-reduce)
-    "weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
-    "resume_changes": 57,  # what a resume may change (over config's key names)
-    "recipes": 57,  # the launchers' complete configs (over cli's typed mappings)
-    "cli": 56,  # the one parser: command line and config files from config's types
-    "config": 55,
-    "lora_spec": 54,  # the --lora spec the run config validates
+    "training.checkpointer": 68,  # the save and resume protocol
+    "training.callback": 66,  # the hook points of the loop (the base class the callbacks implement)
+    "training.consolidate": 66,  # a checkpoint's weights as the plain model's (export and evaluation read it)
+    "lora.adapters": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
+    "lora.base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
+    "training.tracking": 62,
+    "training.lifecycle": 62,
+    "training.log_setup": 62,
+    "training.faults": 62,
+    "distributed.engine": 60,  # the only module importing DeepSpeed
+    "training.checkpoint": 60,  # the checkpoint format: layout, manifest, verification, metadata
+    "training.memory_plan": 58,
+    "training.weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
+    "training.resume_changes": 57,  # what a resume may change (over config's key names)
+    "config.recipes": 57,  # the launchers' complete configs (over cli's typed mappings)
+    "config.cli": 56,  # the one parser: command line and config files from config's types
+    "training.head_chunks": 56,  # the LM head's chunking of a run
+    "config.run": 55,  # the typed run config: sections, help per key, validation
+    "lora.spec": 54,  # the --lora spec the run config validates
     "models": 50,
     "data": 45,
     "diffusion": 45,
@@ -54,11 +55,14 @@ LEVELS: dict[str, int] = {
     "compat": 20,  # readers of older checkpoint and export layouts: pure functions of dicts
     "hub.resolve": 8,
     "seeding": 5,
-    "collectives": 5,
-    "distributed": 5,  # rank, world size, barrier: torch.distributed only
+    "distributed.collectives": 5,  # host-tensor collectives on gloo groups beside NCCL
+    "distributed.process_group": 5,  # rank, world size, barrier: torch.distributed only
     "stop_request": 5,  # the stop flag, polled by data setup
     "run_lock": 5,
 }
+
+# Packages that group modules of different layers: each of their modules is a unit of its own.
+GROUPED = ("training", "distributed", "lora", "config")
 
 # Edges that break the order today and are being removed on another branch. Each is allowed
 # explicitly, with the reason; delete the entry once the edge is gone.
@@ -66,12 +70,15 @@ PENDING: dict[tuple[str, str], str] = {}
 
 
 def unit_of(module: str) -> str:
-    """``mdlmpe_ds.a.b`` -> ``a`` (``hub.resolve`` is its own unit); launch scripts -> ``launch``."""
+    """``mdlmpe_ds.a.b`` -> ``a``, or ``a.b`` in a GROUPED package (``hub.resolve`` is its own unit);
+    launch scripts -> ``launch``."""
     if module.startswith("launch."):
         return "launch"
     parts = module.split(".")[1:]
     if parts[:2] == ["hub", "resolve"]:
         return "hub.resolve"
+    if parts and parts[0] in GROUPED:
+        return ".".join(parts[:2])
     return parts[0] if parts else "mdlmpe_ds"
 
 
@@ -174,14 +181,14 @@ def test_library_code_never_runs_a_launch_script_by_path():
 
 # The one library module that builds a parser: the training command line and config files from the
 # config's types (jsonargparse); it never reads sys.argv, the launch/ scripts pass argv in.
-PARSER_MODULE = "mdlmpe_ds/cli.py"
+PARSER_MODULE = "mdlmpe_ds/config/cli.py"
 # Library modules that still parse their own `python -m` command line (each is a module entry of
 # its own, outside the training command line); delete an entry once its parser moves to launch/.
 PARSING_PENDING = {
     "mdlmpe_ds/analysis/cli.py": "python -m mdlmpe_ds.analysis",
     "mdlmpe_ds/data/assets.py": "python -m mdlmpe_ds.data.assets prepare",
     "mdlmpe_ds/data/corpora.py": "python -m mdlmpe_ds.data.corpora prepare",
-    "mdlmpe_ds/engine.py": "python -m mdlmpe_ds.engine to-universal (ds_to_universal reads sys.argv)",
+    "mdlmpe_ds/distributed/engine.py": "python -m mdlmpe_ds.distributed.engine to-universal",
     "mdlmpe_ds/evaluation/lm_eval_adapter.py": "lm-eval's own CLI entry reads sys.argv",
 }
 
@@ -203,7 +210,7 @@ def argv_parsing(path: Path) -> list[str]:
 
 def test_nothing_in_the_library_parses_argv():
     """Argument parsing lives in launch/: no module under mdlmpe_ds/ reads sys.argv or builds a
-    parser, except mdlmpe_ds/cli.py (which builds the training parser but never reads sys.argv)
+    parser, except mdlmpe_ds/config/cli.py (which builds the training parser but never reads sys.argv)
     and the pending `python -m` entries above."""
     offenders = {}
     for path in sorted((REPO / "mdlmpe_ds").rglob("*.py")):
@@ -223,16 +230,18 @@ def test_nothing_in_the_library_parses_argv():
 def test_the_checks_catch_a_back_edge_and_a_cycle():
     """The checker itself: a models -> trainer edge and a two-unit cycle are reported."""
     edges = {
-        ("models", "trainer"): ["mdlmpe_ds/models/x.py: mdlmpe_ds.trainer"],
-        ("trainer", "models"): ["y"],
+        ("models", "training.trainer"): ["mdlmpe_ds/models/x.py: mdlmpe_ds.training.trainer"],
+        ("training.trainer", "models"): ["y"],
     }
-    assert any("models (level 50) imports trainer" in v for v in violations(edges))
-    assert cycles(edges) == [["models", "trainer", "models"]]
+    assert any("models (level 50) imports training.trainer" in v for v in violations(edges))
+    assert cycles(edges) == [["models", "training.trainer", "models"]]
+    assert unit_of("mdlmpe_ds.training.checkpoint") == "training.checkpoint"
+    assert unit_of("mdlmpe_ds.data.sft_rows") == "data"
     assert any("has no layer" in v for v in violations({("newpkg", "pe"): ["z"]}))
 
 
 def test_production_code_reads_no_test_hooks_from_the_environment():
-    """Fault hooks are injected (mdlmpe_ds/faults.py), never read from environment variables."""
+    """Fault hooks are injected (mdlmpe_ds/training/faults.py), never read from environment variables."""
     for path in (REPO / "mdlmpe_ds").rglob("*.py"):
         text = path.read_text()
         assert "MDLMPE_DS_FAULT" not in text and "MDLMPE_DS_PROBE" not in text, path
@@ -269,21 +278,26 @@ def _offending(unit_path: str, banned: tuple[str, ...]) -> list[str]:
 def test_the_engine_imports_no_position_encoding():
     """The engine registers ZeRO-3 external parameters from what the model declares
     (``zero3_external_parameters``), never by knowing MDLMPE's classes."""
-    assert _offending("engine", ("mdlmpe_ds.pe",)) == []
+    assert _offending("distributed/engine", ("mdlmpe_ds.pe",)) == []
 
 
 def test_models_import_no_process_group_code():
     """Model code runs on one device: the chunk count the ranks agree on is computed above it
     (head_chunks.py) and passed in."""
-    banned = ("torch.distributed", "mdlmpe_ds.collectives", "mdlmpe_ds.distributed", "mdlmpe_ds.engine")
+    banned = (
+        "torch.distributed",
+        "mdlmpe_ds.distributed.collectives",
+        "mdlmpe_ds.distributed.process_group",
+        "mdlmpe_ds.distributed.engine",
+    )
     assert _offending("models", banned) == []
 
 
 def test_the_trainer_imports_neither_lora_nor_position_encodings():
     """LoRA's checkpoint policy and MDLMPE's head schedule and statistics are callbacks (callbacks.py),
     handed to the loop by the run."""
-    banned = ("mdlmpe_ds.lora", "mdlmpe_ds.lora_base", "mdlmpe_ds.lora_spec", "mdlmpe_ds.pe")
-    assert _offending("trainer", banned) == []
+    banned = ("mdlmpe_ds.lora.adapters", "mdlmpe_ds.lora.base", "mdlmpe_ds.lora.spec", "mdlmpe_ds.pe")
+    assert _offending("training/trainer", banned) == []
 
 
 def test_models_read_no_environment_variable():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mdlmpe_ds.diffusion.elbo import sequence_losses
-from mdlmpe_ds.evaluation.knockout import layout_knockout, mdlmpe_encoder, summaries_for
-from mdlmpe_ds.evaluation.layout_eval import (
+from mdlmpe_ds.experiments.knockout import layout_knockout, mdlmpe_encoder, summaries_for
+from mdlmpe_ds.experiments.layout_eval import (
     LayoutEvalSettings,
     paired_difference,
     ratio_se,
@@ -147,7 +147,7 @@ def test_knockout_changes_only_A_and_D(mode):
 
 
 def test_knockout_keeps_the_visible_count_and_is_a_noop_for_rope():
-    from mdlmpe_ds.evaluation.knockout import knocked_availability
+    from mdlmpe_ds.experiments.knockout import knocked_availability
 
     b = (torch.rand(4, L, generator=torch.Generator().manual_seed(2)) < 0.3).float()
     a = torch.ones_like(b)
@@ -179,7 +179,7 @@ def test_evaluate_cli_by_layout_pairs_models_on_the_same_masks(tmp_path, assets)
     from transformers import AutoTokenizer
 
     from mdlmpe_ds.models.hf_io import save_pretrained
-    from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+    from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 
     corpus = str(assets("botchan").botchan)
     tokenizer = AutoTokenizer.from_pretrained(str(sentencepiece_for_corpus(corpus, 400, cache_root=tmp_path)))
@@ -213,7 +213,7 @@ def test_evaluate_cli_by_layout_pairs_models_on_the_same_masks(tmp_path, assets)
 def test_seed_summary_of_a_bucket_no_window_reached_is_nan_not_an_error():
     """The full-size study met a local-density bucket empty in one seed (paired difference NaN):
     the summary must report NaN there and still summarise every other bucket."""
-    from mdlmpe_ds.evaluation.mechanism_study import _across
+    from mdlmpe_ds.experiments.mechanism_study import _across
 
     full = _across([{"delta": 0.25, "se": 0.1}, {"delta": 0.75, "se": 0.2}])
     assert full["mean"] == 0.5 and full["sd_over_seeds"] == pytest.approx(0.5**0.5 * 0.5)

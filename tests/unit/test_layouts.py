@@ -139,7 +139,7 @@ def test_pretrain_corruption_semi_ar_weights_rows_per_scope_token():
 def test_unknown_layout_is_rejected_by_name():
     with pytest.raises(ValueError, match="'blocks'"):
         corrupt_layout("blocks", 0, [0], _all(1))
-    from mdlmpe_ds.cli import build_config
+    from mdlmpe_ds.config.cli import build_config
 
     with pytest.raises(ValueError, match=r"train\.corruption"):
         build_config(None, ["--corruption", "blocks"])

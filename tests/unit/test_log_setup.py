@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import logging, sys
-from mdlmpe_ds.log_setup import configure
+from mdlmpe_ds.training.log_setup import configure
 configure()
 configure(rank=5)  # a second call changes nothing
 log = logging.getLogger("mdlmpe_ds.runs.common")
@@ -46,9 +46,9 @@ def test_rank_zero_logs_notes_and_others_only_warnings():
 
 def test_the_dry_run_plan_is_logged(tmp_path, capsys):
     """The plan of a dry run (runs/common.build_engine) is an INFO record of rank 0 on stdout."""
-    from mdlmpe_ds.cli import build_config
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.config.cli import build_config
     from mdlmpe_ds.runs.common import build_engine, model_config_for
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(rank=0, force=True)  # whatever an earlier test's entry point set
     run_config = build_config(None, ["--max_len", "32", "--output_dir", str(tmp_path)])

@@ -1,4 +1,4 @@
-"""LoRA (mdlmpe_ds/lora.py) without a process group: the --lora spec, which modules peft wraps and
+"""LoRA (mdlmpe_ds/lora/adapters.py) without a process group: the --lora spec, which modules peft wraps and
 which parameters train, the merge maths against the adapter-wrapped model, the peft adapter
 directory, the checkpoint key check, and the memory plan of a dry run."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds import lora
 from mdlmpe_ds.attention import AttentionImpl
-from mdlmpe_ds.lora import LoraSpec
+from mdlmpe_ds.lora import adapters as lora
+from mdlmpe_ds.lora.adapters import LoraSpec
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -74,7 +74,7 @@ def test_parse_errors_name_the_bad_part(text, named):
 
 
 def test_config_key_and_config_file_section(tmp_path):
-    from mdlmpe_ds.cli import build_config, from_mapping
+    from mdlmpe_ds.config.cli import build_config, from_mapping
 
     run = build_config(None, ["--lora", "r=4,targets=v,q"])
     assert run.model.lora == "r=4,alpha=32,dropout=0.05,targets=q,v"
@@ -331,8 +331,8 @@ def test_a_truncated_base_file_is_named(tmp_path):
 
 # ------------------------------------------------------------------------------------ dry run
 def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(capsys, monkeypatch):
-    from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.cli import build_config
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.distributed import engine as eng
     from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -357,9 +357,9 @@ def test_dry_run_counts_trainable_and_frozen_and_plans_less_optimizer_memory(cap
 
 def test_memory_plan_of_llada_8b_with_lora():
     """The numbers of docs/gpu.md: LoRA r=16 on all seven projections of LLaDA-8B, 8 GPUs, bf16."""
-    from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.cli import build_config
-    from mdlmpe_ds.memory_plan import plan_memory
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.distributed import engine as eng
+    from mdlmpe_ds.training.memory_plan import plan_memory
 
     run = build_config(None, ["--micro_batch_size", "1", "--max_len", "2048", "--precision", "bf16"])
     ds = eng.prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)

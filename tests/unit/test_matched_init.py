@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdlmpe_ds.compare import ENCODINGS
+from mdlmpe_ds.experiments.compare import ENCODINGS
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 

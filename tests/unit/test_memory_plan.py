@@ -1,4 +1,4 @@
-"""The per-GPU memory plan (mdlmpe_ds/memory_plan.py): its activation terms against measured layers
+"""The per-GPU memory plan (mdlmpe_ds/training/memory_plan.py): its activation terms against measured layers
 (live tensor bytes of a real layer's forward and backward on the CPU, fp32), ZeRO-3 states and
 offload, and the plan printed by a dry run."""
 
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from mdlmpe_ds.attention.impl import AttentionImpl
-from mdlmpe_ds.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.pe.config import MDLMPEConfig
+from mdlmpe_ds.training.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
 
 
 @pytest.fixture(autouse=True)
 def _logging():
     """The run's notes (the plan, warnings) are log records, as the launchers configure them."""
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(rank=0, force=True)  # whatever an earlier test's entry point set
 
@@ -116,8 +116,8 @@ def test_plan_states_offload_and_total():
 def test_dry_run_prints_the_memory_plan(capsys, monkeypatch):
     """trainer.build_engine (the dry run's meta-device build) logs the memory plan for the world
     size of the job (WORLD_SIZE when no process group is up) and returns its total."""
-    from mdlmpe_ds import engine as eng
-    from mdlmpe_ds.cli import build_config
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.distributed import engine as eng
     from mdlmpe_ds.runs.common import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate, split_documents
+from mdlmpe_ds.data.packing import PackedTokenDataset, packed_collate, split_documents
 from mdlmpe_ds.seeding import corruption_draws
 
 SEP = 0

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds.cli import build_config
-from mdlmpe_ds.compare import ENCODINGS, aggregate, bar_chart, pretrain_command, summary_markdown
+from mdlmpe_ds.config.cli import build_config
+from mdlmpe_ds.config.recipes import PAPER_GLOBAL_BATCH, pretrain_config
 from mdlmpe_ds.data.corpora import NAMED_CORPORA, corpus_text_files, load_packed_corpus
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, markdown_table, score_corpus
-from mdlmpe_ds.recipes import PAPER_GLOBAL_BATCH, pretrain_config
-from mdlmpe_ds.runs.pretrain import sentencepiece_for_corpus
+from mdlmpe_ds.experiments.compare import ENCODINGS, aggregate, bar_chart, pretrain_command, summary_markdown
+from mdlmpe_ds.runs.pretrain_run import sentencepiece_for_corpus
 from mdlmpe_ds.tasks.pretrain import pretrain_corruption
 
 TEXT = "the cat sat on the mat\nthe dog sat on the log\n\nfour more words here\n"
@@ -65,7 +65,7 @@ def test_packed_corpus_cache_keyed_by_source_tokenizer_and_options(tmp_path, mon
 
     from transformers import AutoTokenizer
 
-    from mdlmpe_ds.data import pretrain
+    from mdlmpe_ds.data import packing as pretrain
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
     from sft_fixtures import make_tokenizer

@@ -9,9 +9,9 @@ import math
 
 import torch
 
-from mdlmpe_ds.evaluation import reference_lines
-from mdlmpe_ds.evaluation.knockout import mdlmpe_off, shuffle_context
-from mdlmpe_ds.evaluation.layout_eval import LayoutEvalSettings, ratio_se
+from mdlmpe_ds.experiments import reference_lines
+from mdlmpe_ds.experiments.knockout import mdlmpe_off, shuffle_context
+from mdlmpe_ds.experiments.layout_eval import LayoutEvalSettings, ratio_se
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 

@@ -1,4 +1,4 @@
-"""What a resume may change (mdlmpe_ds/resume_changes.py): every run-config key has a decision; a
+"""What a resume may change (mdlmpe_ds/training/resume_changes.py): every run-config key has a decision; a
 refused change is refused naming the key (or forced), any other change is logged, and the applied
 optimizer keys really reach the optimizer after DeepSpeed-style state restoring; docs/resume.md
 shows the code's table."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdlmpe_ds import resume_changes as rc
-from mdlmpe_ds.cli import build_config
-from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.config.cli import build_config
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.training import resume_changes as rc
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_KEYS = sorted(rc.flat(RunConfig().to_dict()))
@@ -128,7 +128,7 @@ class _Engine:
 
 
 def _engine_for(run: RunConfig, total: int, state=None) -> _Engine:
-    from mdlmpe_ds.engine import _lr_factor
+    from mdlmpe_ds.distributed.engine import _lr_factor
 
     params = [torch.nn.Parameter(torch.ones(3))]
     o = run.optim
@@ -143,7 +143,7 @@ def _engine_for(run: RunConfig, total: int, state=None) -> _Engine:
 def test_applied_optim_keys_reach_the_optimizer_after_a_restore():
     """DeepSpeed restores the saved param groups and base lrs: without apply_optim_settings the
     resumed run keeps the old lr, betas and weight decay (the silent case)."""
-    from mdlmpe_ds.engine import _lr_factor, apply_optim_settings
+    from mdlmpe_ds.distributed.engine import _lr_factor, apply_optim_settings
 
     old = build_config(None, ["--lr", "3e-3", "--warmup_steps", "2", "--max_steps", "8"])
     first = _engine_for(old, 8)

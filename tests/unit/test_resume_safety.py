@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import checkpointer, run_lock, stop_request
-from mdlmpe_ds.cli import build_config
+from mdlmpe_ds import run_lock, stop_request
+from mdlmpe_ds.config.cli import build_config
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,7 +180,7 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
 def test_a_stop_request_ends_sft_tokenising(tmp_path):
     from transformers import AutoTokenizer
 
-    from mdlmpe_ds.data.sft import build_sft_dataset
+    from mdlmpe_ds.data.sft_encode import build_sft_dataset
 
     sys.path.insert(0, str(REPO / "tests" / "dist"))
     from sft_fixtures import make_chat, make_tokenizer
@@ -214,8 +215,8 @@ def test_ctrl_c_while_tokenising_stops_promptly(tmp_path):
         sys.path.insert(0, {str(REPO / "tests" / "dist")!r})
         from transformers import AutoTokenizer
         from sft_fixtures import make_tokenizer
-        from mdlmpe_ds import lifecycle
-        from mdlmpe_ds.data.sft import build_sft_dataset
+        from mdlmpe_ds.training import lifecycle
+        from mdlmpe_ds.data.sft_encode import build_sft_dataset
         from mdlmpe_ds.stop_request import StoppedDuringSetup
         from pathlib import Path
         tok = AutoTokenizer.from_pretrained(str(make_tokenizer(Path({str(tmp_path / "tok")!r}))))
@@ -251,7 +252,7 @@ def test_a_stop_request_abandons_a_pretraining_validation():
     validation is abandoned and the task tells the trainer to save now."""
     import torch
 
-    from mdlmpe_ds.config import TrainConfig
+    from mdlmpe_ds.config.run import TrainConfig
     from mdlmpe_ds.tasks.pretrain import PretrainTask
 
     class Model(torch.nn.Module):

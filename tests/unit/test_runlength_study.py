@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mdlmpe_ds.evaluation.knockout import knockout, mdlmpe_off
 from mdlmpe_ds.experiments import runlength_report as report
+from mdlmpe_ds.experiments.knockout import knockout, mdlmpe_off
 from mdlmpe_ds.experiments.layout_probe import probe_layout
 from mdlmpe_ds.experiments.runlength_arms import ARMS, build_arm
 from mdlmpe_ds.experiments.runlength_data import GEOMETRIES, SEP, layout_blind_entropy, make_batch

@@ -473,8 +473,9 @@ def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypat
     consolidated weights (here: the engine's reader stubbed with the model's own state) load strictly."""
     import io
 
-    from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import checkpointer, engine
+    from mdlmpe_ds.distributed import engine
+    from mdlmpe_ds.training import checkpoint as ckpt
+    from mdlmpe_ds.training import checkpointer
 
     tok_dir = tmp_path / "tok"
     tok = _byte_tokenizer(tok_dir)

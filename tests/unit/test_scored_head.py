@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mdlmpe_ds.cli import build_config
-from mdlmpe_ds.data.sft import SFTExample
+from mdlmpe_ds.config.cli import build_config
 from mdlmpe_ds.data.sft_collate import SFTCollator
+from mdlmpe_ds.data.sft_encode import SFTExample
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss, llada_sft_loss
@@ -218,7 +218,7 @@ def test_training_micro_step_allocates_no_full_logits(family, block_size):
 
 def test_head_chunk_from_the_environment(monkeypatch):
     """Trainers pass no chunk: $MDLMPE_DS_HEAD_CHUNK (else DEFAULT_CHUNK) bounds the vocab-wide rows."""
-    from mdlmpe_ds.head_chunks import CHUNK_ENV, DEFAULT_CHUNK, configured_chunk
+    from mdlmpe_ds.training.head_chunks import CHUNK_ENV, DEFAULT_CHUNK, configured_chunk
 
     assert configured_chunk() == DEFAULT_CHUNK
     monkeypatch.setenv(CHUNK_ENV, "3")
@@ -260,7 +260,7 @@ def test_a_fixed_chunk_count_adds_empty_head_calls():
 def test_pretraining_micro_step_allocates_no_full_logits(family):
     """PretrainTask.micro on packed windows: the same scored-head path, no [B, L, V] tensor,
     and its loss equals the pretraining loss of the full logits on the same corruption."""
-    from mdlmpe_ds.data.pretrain import packed_collate
+    from mdlmpe_ds.data.packing import packed_collate
     from mdlmpe_ds.diffusion.elbo import scored_positions
     from mdlmpe_ds.tasks.pretrain import PretrainTask
 

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mdlmpe_ds.data.chat_templates import render_chatml, render_llada, template_for
-from mdlmpe_ds.data.sft import SFTExample, build_sft_dataset, eos_pad_id
 from mdlmpe_ds.data.sft_collate import SFTCollator
+from mdlmpe_ds.data.sft_encode import SFTExample, build_sft_dataset, eos_pad_id
 from mdlmpe_ds.data.sft_rows import SFTDataError
 from mdlmpe_ds.data.tokenizers import QWEN25_CHAT_TEMPLATE
 
@@ -310,7 +310,7 @@ def _bad_lines_file(path):
 
 def test_skip_malformed_skips_lines_that_are_not_json_or_not_utf8(tmp_path, llada_tok, caplog):
     src = _bad_lines_file(tmp_path / "lines.jsonl")
-    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft"):
+    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft_encode"):
         ds, stats = build_sft_dataset(src, llada_tok, "llada", max_len=512, skip_malformed=True)
     assert (stats.rows, stats.skipped, stats.examples, len(ds)) == (4, 2, 2, 2)
     assert stats.skip_reasons == {"not valid JSON": 1, "not valid UTF-8": 1}
@@ -565,7 +565,7 @@ def test_cutoff_settings_are_checked():
         SFTCollator(pad_id=0, perbatch_cutoff="longest")
     with pytest.raises(ValueError, match="pad_to_multiple_of cannot"):
         SFTCollator(pad_id=0, pad_to_multiple_of=8, resp_cutoff_ratio=0.1)
-    from mdlmpe_ds.cli import from_mapping
+    from mdlmpe_ds.config.cli import from_mapping
 
     for overrides, message in (
         ({"data.perbatch_cutoff": "longest"}, "must be one of"),
@@ -579,7 +579,7 @@ def test_cutoff_settings_are_checked():
 
 
 def test_trainer_batches_redraw_the_same_cutoff_after_resume():
-    from mdlmpe_ds.config import RunConfig
+    from mdlmpe_ds.config.run import RunConfig
     from mdlmpe_ds.data.sampler import LengthGroupedSampler
     from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.tasks.sft import SFTTask
@@ -704,7 +704,7 @@ def test_cache_roundtrip_and_invalidation(tmp_path, llada_tok, caplog):
     kw = {"max_len": 512, "skip_malformed": True, "cache_dir": cache}
     built, stats = build_sft_dataset(src, llada_tok, "llada", **kw)
     assert len(list(cache.glob("sft-*.npz"))) == 1
-    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft"):
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft_encode"):
         loaded, loaded_stats = build_sft_dataset(src, llada_tok, "llada", **kw)
     assert "loaded from cache" in caplog.text
     assert loaded_stats == stats and loaded_stats.skipped == 1
@@ -750,7 +750,7 @@ def test_a_truncated_cache_file_is_named_and_rebuilt(tmp_path, llada_tok, caplog
     (file,) = cache.glob("sft-*.npz")
     with open(file, "r+b") as fh:
         fh.truncate(file.stat().st_size // 2)
-    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft"):
+    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.data.sft_encode"):
         again, _ = build_sft_dataset(src, llada_tok, "llada", max_len=512, cache_dir=cache)
     assert f"SFT token cache {file} is unreadable" in caplog.text and "tokenising" in caplog.text
     assert [again[i] for i in range(len(again))] == [built[i] for i in range(len(built))]
@@ -783,7 +783,7 @@ def test_cache_of_a_dataset_directory_is_keyed_by_its_datasets_fingerprint(tmp_p
     import sys
     from pathlib import Path
 
-    from mdlmpe_ds.data import sft
+    from mdlmpe_ds.data import sft_encode as sft
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
     from hub_fixtures import write_hub_dataset

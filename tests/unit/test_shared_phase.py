@@ -246,7 +246,7 @@ def test_config_key_is_validated_and_old_configs_read_per_layer():
 def test_old_checkpoint_config_is_the_same_model_as_per_layer():
     """Resume compares model configs: one stored without the key is the per-layer model, not
     another model; a shared checkpoint resumed as per-layer is refused naming the difference."""
-    from mdlmpe_ds.checkpoint import SavedRun, check_same_model
+    from mdlmpe_ds.training.checkpoint import SavedRun, check_same_model
 
     now = preset("llada-tiny", position_encoding="mdlmpe").to_dict()
     stored = json.loads(json.dumps(now))
@@ -260,7 +260,7 @@ def test_old_checkpoint_config_is_the_same_model_as_per_layer():
 
 
 def test_cli_key():
-    from mdlmpe_ds.cli import build_config
+    from mdlmpe_ds.config.cli import build_config
 
     run = build_config(None, ["--model.mdlmpe.phase_mlp", "shared"])
     assert run.model.mdlmpe.phase_mlp == "shared"
@@ -301,7 +301,7 @@ def test_engine_registers_the_shared_weights_with_every_reader(monkeypatch):
     """engine.build_model registers each (reader, parameter) pair the model lists: the shared MLP is
     no child of the layers that read it. DeepSpeed itself is stubbed (the 2-process run is
     tests/dist/test_shared_phase_zero3.py)."""
-    from mdlmpe_ds import engine
+    from mdlmpe_ds.distributed import engine
 
     registered = []
     zero = types.SimpleNamespace(
@@ -318,8 +318,8 @@ def test_engine_registers_the_shared_weights_with_every_reader(monkeypatch):
 def test_tools_read_the_shared_mlp():
     """The training stats, the per-checkpoint diagnostics and the memory plan handle it."""
     from mdlmpe_ds.analysis.diagnostics import phase_weight_norms, state_diagnostics
-    from mdlmpe_ds.callbacks import mdlmpe_stats
-    from mdlmpe_ds.memory_plan import measure_layer
+    from mdlmpe_ds.training.callbacks import mdlmpe_stats
+    from mdlmpe_ds.training.memory_plan import measure_layer
 
     model = _shared("llada")
     stats = mdlmpe_stats(model)

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from mdlmpe_ds.data import named_corpora as named
 from mdlmpe_ds.data.corpora import load_packed_corpus
 from mdlmpe_ds.data.fingerprint import Fingerprint, packed_fingerprint
-from mdlmpe_ds.data.pretrain import PackedTokenDataset, packed_collate
+from mdlmpe_ds.data.packing import PackedTokenDataset, packed_collate
 from mdlmpe_ds.data.token_store import (
     COMPLETE,
     StoreChangedError,

@@ -136,7 +136,7 @@ def test_device_cuda_on_a_cpu_machine_says_so(model_dir, tmp_path, capsys):
 
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
     """Before: PyYAML's message naming '<unicode string>'."""
-    from mdlmpe_ds.cli import load_config_file
+    from mdlmpe_ds.config.cli import load_config_file
 
     file = tmp_path / "run.yaml"
     file.write_text("optim:\n  lr: 1e-4\n train:\n  max_steps: [1\n")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import checkpointer
-from mdlmpe_ds.cli import build_config, from_mapping
-from mdlmpe_ds.engine import prepare_ds_config, warmup_cosine
+from mdlmpe_ds.config.cli import build_config, from_mapping
+from mdlmpe_ds.distributed.engine import prepare_ds_config, warmup_cosine
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -23,7 +23,7 @@ from sft_fixtures import make_chat, make_tokenizer  # noqa: E402
 @pytest.fixture(autouse=True)
 def _logging():
     """The run's notes (the plan, warnings) are log records, as the launchers configure them."""
-    from mdlmpe_ds.log_setup import configure
+    from mdlmpe_ds.training.log_setup import configure
 
     configure(rank=0, force=True)  # whatever an earlier test's entry point set
 
@@ -173,7 +173,7 @@ def fixture_data(tmp_path_factory):
 
 
 def _dry(args, tmp_path):
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
     return run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume=None, dry_run=True)
@@ -181,7 +181,7 @@ def _dry(args, tmp_path):
 
 def _data(args, tmp_path):
     """The data half of an SFT run (a dry run reads no data): tokenizer, tokenised data, collator."""
-    from mdlmpe_ds.runs.sft import load_data, sft_inputs
+    from mdlmpe_ds.runs.sft_run import load_data, sft_inputs
 
     run = build_config(None, [*args, "--output_dir", str(tmp_path / "out")])
     return load_data(run, sft_inputs(run))
@@ -201,7 +201,7 @@ def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
 ):
     """The compiled attention compiles once per batch width: without a width multiple the run says
     so; with one, the collator rounds widths. Bad values and cutoff combinations are named."""
-    from mdlmpe_ds.data import sft_collate as sft
+    from mdlmpe_ds.runs import sft_run as sft  # where the run builds its collator
 
     made = []
 
@@ -235,7 +235,7 @@ def test_sft_data_cached_under_the_output_dir(fixture_data, tmp_path, caplog):
     args = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "2"]
     _data(args, tmp_path)
     assert len(list((tmp_path / "out" / "data_cache").glob("sft-*.npz"))) == 1
-    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft"):
+    with caplog.at_level(logging.INFO, logger="mdlmpe_ds.data.sft_encode"):
         _data(args, tmp_path)
     assert "loaded from cache" in caplog.text
 
@@ -266,7 +266,7 @@ def test_malformed_row_names_file_and_row(fixture_data, tmp_path):
 
 
 def test_checkpoint_from_another_model(fixture_data, tmp_path):
-    from mdlmpe_ds.runs.sft import run_sft
+    from mdlmpe_ds.runs.sft_run import run_sft
 
     tok, chat = fixture_data
     out = tmp_path / "out"

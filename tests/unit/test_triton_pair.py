@@ -223,9 +223,9 @@ def test_memory_plan_counts_the_bias_and_its_gradient():
     """E (kept by SDPA) and dE are H_q L^2 per sequence and layer in the activation dtype; layer
     checkpointing keeps the attention inside its recomputed segment (one layer's E at a time)."""
     from mdlmpe_ds.attention import AttentionImpl
-    from mdlmpe_ds.memory_plan import attention_transient_bytes, layer_activation_bytes
     from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.models.recompute import Recompute
+    from mdlmpe_ds.training.memory_plan import attention_transient_bytes, layer_activation_bytes
 
     impl = AttentionImpl(backend="triton-pair")
     assert impl.keeps_pair_tensors

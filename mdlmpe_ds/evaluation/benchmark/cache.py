@@ -21,6 +21,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mdlmpe_ds.evaluation.loading import is_hf_dir
+from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
+from mdlmpe_ds.training import checkpoint as ckpt
+
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.pt", "*.bin", "config.json", "latest")
 
 
@@ -66,7 +70,6 @@ def family_from_config(config: dict[str, Any], where: str) -> str:
 
 def describe_model(path: str, name: str | None = None, family: str | None = None) -> ModelRef:
     """The model's family and identity, read from disk only (no weights, no network)."""
-    from mdlmpe_ds.evaluation.loading import is_hf_dir
 
     p = Path(path)
     display = name or (p.resolve().name if p.exists() else path.replace("/", "__"))
@@ -75,15 +78,12 @@ def describe_model(path: str, name: str | None = None, family: str | None = None
         if is_hf_dir(root):
             fam = family or family_from_config(json.loads((root / "config.json").read_text()), str(root))
         else:
-            from mdlmpe_ds import checkpoint as ckpt
-
             step_dir = ckpt.resolve_checkpoint(root, log=lambda *_: None)
             saved = ckpt.read_saved_run(step_dir)
             fam = family or family_from_config(saved.model_config, str(step_dir))
             root = step_dir
         identity = json.dumps({"path": str(root), "files": _file_stamp(root)})
         return ModelRef(display, path, fam, identity, local=True)
-    from mdlmpe_ds.hub.resolve import looks_like_hub_id
 
     if not looks_like_hub_id(path):
         raise FileNotFoundError(f"{path}: no such model directory or run, and not a hub id (org/name)")
@@ -94,7 +94,6 @@ def describe_model(path: str, name: str | None = None, family: str | None = None
 def resolve_hub(path: str, name: str | None = None, family: str | None = None) -> ModelRef:
     """``describe_model`` of a hub id's downloaded snapshot (the same resolution ``load_model``
     makes), keeping the id as the column name; a local path is described as it is."""
-    from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
 
     if Path(path).exists() or not looks_like_hub_id(path):
         return describe_model(path, name, family)

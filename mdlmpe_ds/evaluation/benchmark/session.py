@@ -23,6 +23,8 @@ from mdlmpe_ds.evaluation.benchmark.runner import (
     plan,
 )
 from mdlmpe_ds.evaluation.benchmark.suites import CODE, Suite
+from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,6 @@ def run(
 
 
 def _load(model: ModelRef, opts: RunOptions) -> tuple[Any, Any]:
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
     net, tok_dir = load_model(model.path, device=device_for(opts), dtype=opts.dtype)
     if tok_dir is None:
@@ -121,7 +122,6 @@ def _load(model: ModelRef, opts: RunOptions) -> tuple[Any, Any]:
 
 def _lm_factory(net: Any, tokenizer: Any, opts: RunOptions):
     def make(decoding: dict[str, Any]):
-        from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
 
         return MDLMPEEvalLM(
             net,

@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mdlmpe_ds import checkpoint as ckpt
-from mdlmpe_ds import distributed
-from mdlmpe_ds.callback import Callback
-from mdlmpe_ds.checkpoint import COMPLETE, LATEST, MANIFEST, REPLACED, fsync_dir, fsync_write
+from mdlmpe_ds.distributed import process_group as distributed
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import weights_only
+from mdlmpe_ds.training.callback import Callback
+from mdlmpe_ds.training.checkpoint import COMPLETE, LATEST, MANIFEST, REPLACED, fsync_dir, fsync_write
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,6 @@ class Checkpointer:
     def save_weights(self, engine, step: int) -> Path:
         """train.save_on_signal model: each rank's partition of the weights only, in parallel
         (weights_only.py), atomically under ``output_dir/weights/step_N``. Not resumable."""
-        from mdlmpe_ds import weights_only
 
         final = weights_only.weights_dir(self.output_dir, step)
         staging = final.with_name(final.name + ckpt.STAGING)

@@ -3,7 +3,7 @@
 ``sft_config(recipe)`` (launch/sft.py: the dataclass defaults, the embedded CPU demo),
 ``pretrain_config(preset, world, recipe)`` (launch/pretrain.py: the Shakespeare demo) and
 ``compare_config(...)`` (launch/compare_pe.py: the pretraining demo trained longer). The config file
-and the command line sit on top of the returned config (mdlmpe_ds/cli.py).
+and the command line sit on top of the returned config (mdlmpe_ds/config/cli.py).
 
 The paper's recipes (``--recipe NAME``) are tables of training-config values, each with the place
 that states it (the paper's Appendix B.3 / B.4, or docs/models.md for what the paper leaves open);
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mdlmpe_ds import cli
-from mdlmpe_ds.config import DataConfig, ModelChoice, OptimConfig, RunConfig, TrainConfig
+from mdlmpe_ds.config import cli
+from mdlmpe_ds.config.run import DataConfig, ModelChoice, OptimConfig, RunConfig, TrainConfig
 
 B4 = "paper App. B.4"
 B3 = "paper App. B.3"
@@ -230,7 +230,7 @@ def pretrain_config(preset: str | None, world: int, recipe: str | None = None) -
 def pretrain_run(
     config_file: str | None, recipe: str | None, overrides: dict[str, Any], world: int
 ) -> RunConfig:
-    """A pretraining run's config from its parsed command line (mdlmpe_ds/cli.py ``parse``): the
+    """A pretraining run's config from its parsed command line (mdlmpe_ds/config/cli.py ``parse``): the
     preset (the command line's ``--preset``, else the config file's) picks the recipe; the recipe
     over the demo, under the file and the flags, validated."""
     preset = overrides.get("model.preset")

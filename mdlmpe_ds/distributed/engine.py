@@ -24,11 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mdlmpe_ds.config import RunConfig
-
-# The process-group basics need no DeepSpeed and live in distributed.py; the names stay reachable
-# here for the callers that know them as engine.rank() etc.
-from mdlmpe_ds.distributed import barrier, exit_after_teardown, on_cpu, rank, world_size  # noqa: F401
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.distributed import collectives
+from mdlmpe_ds.distributed.process_group import on_cpu, rank
 
 
 def _deepspeed():
@@ -52,7 +50,6 @@ def distributed_session(timeout_min: float, setup_timeout_min: float | None = No
 
     Also the gloo groups of `collectives` (host-tensor collectives; the data-setup barrier, which
     waits up to ``setup_timeout_min``, default ``timeout_min``)."""
-    from mdlmpe_ds import collectives
 
     deepspeed = _deepspeed()
     backend = "gloo" if on_cpu() else "nccl"
@@ -210,7 +207,7 @@ def add_parameters(
     *,
     meta: bool = False,
 ) -> None:
-    """``add(model)`` creates new parameters on a built model (LoRA adapters, mdlmpe_ds/lora.py):
+    """``add(model)`` creates new parameters on a built model (LoRA adapters, mdlmpe_ds/lora/adapters.py):
     inside ``zero.Init``, so they are partitioned like every other parameter and in the model's
     dtype (checked), or on the meta device for a dry run. Collective under ZeRO-3."""
     if meta:
@@ -399,7 +396,7 @@ def load_universal_instructions(ckpt_dir: Path, saved_world: int, world: int) ->
     return (
         f"checkpoint {ckpt_dir} was written by {saved_world} ranks but this run has {world}. "
         f"ZeRO-3 shards are tied to the data-parallel world size. Convert it once with\n"
-        f"  python -m mdlmpe_ds.engine to-universal {ckpt_dir}\n"
+        f"  python -m mdlmpe_ds.distributed.engine to-universal {ckpt_dir}\n"
         f"(DeepSpeed's ds_to_universal), then resume again: the universal copy is picked up automatically."
     )
 
@@ -441,4 +438,4 @@ if __name__ == "__main__":
         out = ds_to_universal(Path(sys.argv[2]))
         print(f"universal checkpoint written to {out}")
     else:
-        raise SystemExit("usage: python -m mdlmpe_ds.engine to-universal CHECKPOINT_DIR")
+        raise SystemExit("usage: python -m mdlmpe_ds.distributed.engine to-universal CHECKPOINT_DIR")

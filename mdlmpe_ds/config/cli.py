@@ -1,6 +1,6 @@
 """The training command line and config files, parsed by jsonargparse from the typed config.
 
-Every key of `RunConfig` (mdlmpe_ds/config.py) is one argument, typed by its annotation and
+Every key of `RunConfig` (mdlmpe_ds/config/run.py) is one argument, typed by its annotation and
 documented by its field's ``help`` metadata; `--help` is the library's, so it lists exactly the
 fields there are, each with its own text and this launcher's default. Spellings: ``--section.key``,
 the bare ``--key`` where one section owns it, ``--dataset_split`` (= ``--data.split``), ``--key=value``,
@@ -36,9 +36,9 @@ from typing import Any
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from jsonargparse.typing import register_type
 
-from mdlmpe_ds import lora_spec
-from mdlmpe_ds.config import KEY_ALIASES, SECTIONS, RunConfig
+from mdlmpe_ds.config.run import KEY_ALIASES, SECTIONS, RunConfig
 from mdlmpe_ds.hub.resolve import folded_dataset
+from mdlmpe_ds.lora import spec as lora_spec
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
 REPO = Path(__file__).resolve().parents[1]

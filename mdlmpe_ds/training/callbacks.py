@@ -6,7 +6,7 @@ Each is one concern the loop (trainer.py) used to hard-code, now attached to its
 - ``HeadSchedule``: the MDLMPE active KV heads per optimizer update (paper Eq. (27)), all heads at
   the end (docs/method.md "Head schedule");
 - ``MDLMPEStats``: gamma and |delta| statistics on log steps;
-- ``LoRACheckpoints``: a LoRA run's checkpoints hold the adapters, not the frozen base (lora.py);
+- ``LoRACheckpoints``: a LoRA run's checkpoints hold the adapters, not the frozen base (lora/adapters.py);
 - ``NonFinitePolicy``: a non-finite update is never saved; too many in a row end the run;
 - ``StopHandling``: a signal or a lost launcher stops the run after a saved update (lifecycle.py);
 - ``TestFaults``: the injected faults of the fault tests (faults.py); production runs have none.
@@ -25,15 +25,17 @@ from pathlib import Path
 
 import torch
 
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds import lifecycle, lora, stop_request
-from mdlmpe_ds.callback import Callback, NonFiniteError, Stopped
-from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.faults import NO_FAULTS, Faults
+from mdlmpe_ds import stop_request
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.lora import adapters as lora
 from mdlmpe_ds.pe.encoder import MDLMPEEncoder
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
 from mdlmpe_ds.pe.phase import PhaseMLP, phase_residual
-from mdlmpe_ds.trainer import Trainer
+from mdlmpe_ds.training import lifecycle
+from mdlmpe_ds.training.callback import Callback, NonFiniteError, Stopped
+from mdlmpe_ds.training.faults import NO_FAULTS, Faults
+from mdlmpe_ds.training.trainer import Trainer
 
 
 def callbacks_for(run: RunConfig, model_config, faults: Faults = NO_FAULTS) -> list[Callback]:

@@ -49,7 +49,9 @@ STAGING = ".saving"  # suffix of a checkpoint being written
 REPLACED = ".replaced"  # suffix of an older copy of the same step while the new one is swapped in
 SUPERSEDED = "superseded"
 DS_TAG = "ds"
-DS_UNIVERSAL_TAG = "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.engine to-universal)
+DS_UNIVERSAL_TAG = (
+    "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.distributed.engine to-universal)
+)
 # config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
 # damage); checkpoints without the key were written before manifests existed.
 FORMAT = 2

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.data.fingerprint import file_sha256
-from mdlmpe_ds.lora_spec import BASE_FILE, CHECKPOINT_FILE
+from mdlmpe_ds.hub.resolve import resolve_model
+from mdlmpe_ds.lora.spec import BASE_FILE, CHECKPOINT_FILE
+from mdlmpe_ds.training import checkpoint as ckpt
 
 
 def base_file(output_dir: str | Path) -> Path:
@@ -51,7 +53,6 @@ IDENTITY_ATTR = "_lora_base_identity"  # set on the model by lora.attach, read b
 
 
 def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:
-    from mdlmpe_ds import checkpoint as ckpt
 
     names = sorted({"config.json", *(p.name for p in directory.glob("*.safetensors"))})
     out = {}
@@ -119,7 +120,6 @@ def base_source(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
     source = run_config["model"].get("model_name_or_path")
     if source is None:
         return find_base_file(step_dir, run_config)
-    from mdlmpe_ds.hub.resolve import resolve_model
 
     return Path(resolve_model(source, run_config["model"].get("revision")))
 

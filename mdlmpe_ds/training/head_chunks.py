@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from mdlmpe_ds import collectives
+from mdlmpe_ds.distributed import collectives
 from mdlmpe_ds.models.scored_head import DEFAULT_CHUNK, chunk_count
 
 CHUNK_ENV = "MDLMPE_DS_HEAD_CHUNK"

@@ -8,11 +8,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.faults import NO_FAULTS, Faults
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.data.assets import ensure_assets
+from mdlmpe_ds.data.fingerprint import sft_fingerprint
+from mdlmpe_ds.data.sampler import LengthGroupedSampler
+from mdlmpe_ds.data.sft_collate import SFTCollator
+from mdlmpe_ds.data.sft_encode import build_sft_dataset, eos_pad_id
+from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, run_inputs, store_dir
 from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
+from mdlmpe_ds.tasks.sft import SFTTask
+from mdlmpe_ds.training.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +27,6 @@ DEMO_DATASET = "chat-demo"
 
 def demo_assets() -> tuple[Path, Path]:
     """(Qwen2.5 tokenizer dir, chat.jsonl) prepared offline by data/assets.py (rank 0 first)."""
-    from mdlmpe_ds.data.assets import ensure_assets
 
     paths = rank_zero_first(lambda: ensure_assets(parts=("qwen_tokenizer", "chat")))
     return paths.qwen_tokenizer_dir, paths.chat_jsonl
@@ -45,8 +50,6 @@ def resolve_sources(run: RunConfig) -> tuple[str, str]:
 def build_sft_data(run: RunConfig, source: str, tokenizer, family: str):
     """The tokenised SFT dataset of ``source`` (each node's first rank builds and caches it first)
     and its fingerprint, checked equal on every rank."""
-    from mdlmpe_ds.data.fingerprint import sft_fingerprint
-    from mdlmpe_ds.data.sft import build_sft_dataset
 
     d = run.data
     dataset, stats = rank_zero_first(
@@ -80,15 +83,16 @@ def sft_inputs(run: RunConfig) -> RunInputs:
 
 def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
     """Tokenise (or load from the cache) the chat data, and make this rank's sampler and the collator."""
-    from mdlmpe_ds.data.sampler import LengthGroupedSampler
-    from mdlmpe_ds.data.sft import eos_pad_id
-    from mdlmpe_ds.data.sft_collate import SFTCollator
 
     t, d = run.train, run.data
     family = inputs.model_config.family
     dataset, fingerprint = build_sft_data(run, inputs.source, inputs.tokenizer, family)
     sampler = LengthGroupedSampler(
-        dataset.lengths, t.micro_batch_size, rank=eng.rank(), world_size=eng.world_size(), seed=t.seed
+        dataset.lengths,
+        t.micro_batch_size,
+        rank=process_group.rank(),
+        world_size=process_group.world_size(),
+        seed=t.seed,
     )
     collator = SFTCollator(
         eos_pad_id(inputs.tokenizer),
@@ -109,7 +113,6 @@ def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
 
 
 def make_task(run: RunConfig, inputs: RunInputs, data: RunData):
-    from mdlmpe_ds.tasks.sft import SFTTask
 
     return SFTTask(run.train, inputs.model_config, data.dataset, data.sampler, data.collator)
 
@@ -126,5 +129,5 @@ def run_sft(
     allow_changes: list[str] | None = None,
 ) -> dict:
     """Build everything in the ZeRO-3 order and train an SFT run (runs/assembly.py). Call inside
-    `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/faults.py)."""
+    `engine.distributed_session` (except dry runs). ``faults``: test hooks (mdlmpe_ds/training/faults.py)."""
     return assemble_and_train(SFT, run, ds_config_path, resume, dry_run, faults, allow_changes)

@@ -1,7 +1,7 @@
 """Typed training configuration for SFT and pretraining runs: model choice, data, optimisation, loop.
 
 One `RunConfig` (five sections) holds a run: every field carries its ``--help`` text (``doc``), so
-the command line, config files and ``--help`` come from these types (mdlmpe_ds/cli.py, through
+the command line, config files and ``--help`` come from these types (mdlmpe_ds/config/cli.py, through
 jsonargparse). A launcher's complete config comes from a function (recipes.py); ``validate`` checks
 one without changing it. It is saved as `config.json` into every checkpoint, so a resume can check
 that it continues the same model.
@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mdlmpe_ds import lora_spec
 from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.hub.resolve import looks_like_hub_id
+from mdlmpe_ds.lora import spec as lora_spec
+from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.pe.config import FOLLOW_MODEL, MDLMPEConfig
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ SAVE_ON_SIGNAL = ("full", "model", "none")
 
 
 def doc(default: Any = dataclasses.MISSING, help: str = "", pretrain_only: bool = False, **kw: Any) -> Any:
-    """A dataclass field with its ``--help`` text (``metadata["help"]``, read by mdlmpe_ds/cli.py);
+    """A dataclass field with its ``--help`` text (``metadata["help"]``, read by mdlmpe_ds/config/cli.py);
     ``pretrain_only``: a key only launch/pretrain.py reads (SFT accepts and ignores it)."""
     return field(default=default, metadata={"help": help, "pretrain_only": pretrain_only}, **kw)
 
@@ -108,7 +110,7 @@ class DataConfig:
     attend_padding: bool = doc(
         True, "true: EOS padding is attended and trained (official); false: padding is invalid"
     )
-    # Dream-train's OptimizedCollateFunction (data/sft.py SFTCollator); its official Tulu-3 recipe
+    # Dream-train's OptimizedCollateFunction (data/sft_collate.py SFTCollator); its official Tulu-3 recipe
     # uses "random_with_input_pad": prompts left-padded to the batch's longest (never attended,
     # masked or trained; positions start at each row's first real token), every response cut to,
     # or EOS-padded up to, the response length of one drawn row. The draw is keyed by the batch.
@@ -276,11 +278,9 @@ class RunConfig:
                 raise bad(key, value, "must be a finite number")
         if m.position_encoding not in POSITION_ENCODINGS:
             raise bad("model.position_encoding", m.position_encoding, f"must be one of {POSITION_ENCODINGS}")
-        if m.model_name_or_path is not None and not Path(m.model_name_or_path).is_dir():
-            from mdlmpe_ds.hub.resolve import looks_like_hub_id
-
-            if not looks_like_hub_id(m.model_name_or_path):
-                raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
+        local = m.model_name_or_path is None or Path(m.model_name_or_path).is_dir()
+        if not local and not looks_like_hub_id(m.model_name_or_path):
+            raise bad("model.model_name_or_path", m.model_name_or_path, "is not a directory or hub id")
         if not isinstance(m.mdlmpe, MDLMPEConfig):
             raise bad("model.mdlmpe", m.mdlmpe, "must be an MDLMPEConfig")
         try:
@@ -396,7 +396,6 @@ class RunConfig:
         """What backward recomputes, from model.gradient_checkpointing and
         model.recompute_mdlmpe_attention: passed at build, not part of the model's config (imported
         here: importing the models package loads the transformer and its checkpoint I/O)."""
-        from mdlmpe_ds.models.recompute import Recompute
 
         return Recompute(self.model.gradient_checkpointing, self.model.recompute_mdlmpe_attention)
 

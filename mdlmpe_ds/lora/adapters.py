@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from mdlmpe_ds.compat import stored_model_section
-from mdlmpe_ds.lora_base import (  # noqa: F401  (re-exported: where the base is and which it is)
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.distributed import process_group
+from mdlmpe_ds.lora.base import (  # noqa: F401  (re-exported: where the base is and which it is)
     IDENTITY_ATTR,
     base_file,
     base_identity,
@@ -42,7 +44,7 @@ from mdlmpe_ds.lora_base import (  # noqa: F401  (re-exported: where the base is
     load_base_file,
     recorded_base_identity,
 )
-from mdlmpe_ds.lora_spec import (  # noqa: F401  (re-exported: the spec's home)
+from mdlmpe_ds.lora.spec import (  # noqa: F401  (re-exported: the spec's home)
     ADAPTER,
     BASE_FILE,
     CHECKPOINT_FILE,
@@ -54,6 +56,10 @@ from mdlmpe_ds.lora_spec import (  # noqa: F401  (re-exported: the spec's home)
     from_mapping,
     parse,
 )
+from mdlmpe_ds.models.hf_io import load_pretrained
+from mdlmpe_ds.models.names import to_checkpoint_name
+from mdlmpe_ds.models.transformer import _is_mdlmpe_name
+from mdlmpe_ds.training import checkpoint as ckpt
 
 
 def spec_of(run_config) -> LoraSpec | None:
@@ -111,7 +117,6 @@ def is_adapter_name(name: str) -> bool:
 
 
 def is_mdlmpe_name(name: str) -> bool:
-    from mdlmpe_ds.models.transformer import _is_mdlmpe_name
 
     return _is_mdlmpe_name(name)
 
@@ -239,7 +244,6 @@ def _export_module(module: str, family: str | None) -> str:
     ``family`` is None (our own ``DiffusionLM``)."""
     if family is None:
         return module
-    from mdlmpe_ds.models.names import to_checkpoint_name
 
     return to_checkpoint_name(f"{module}.weight", family)[: -len(".weight")]
 
@@ -272,8 +276,6 @@ def peft_state_dict(
         out[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         out[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
     if family is not None:
-        from mdlmpe_ds.models.names import to_checkpoint_name
-
         for name, tensor in (mdlmpe or {}).items():
             out[f"base_model.model.{to_checkpoint_name(name, family)}"] = tensor.contiguous()
     return out
@@ -391,7 +393,6 @@ def merged_state(
 def read_base(step_dir: Path, run_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The frozen base of a LoRA checkpoint under plain names: the pretrained directory recorded as
     ``model.model_name_or_path``, or the preset run's ``lora_base.safetensors``."""
-    from mdlmpe_ds.models.hf_io import load_pretrained
 
     source = base_source(step_dir, run_config)
     if run_config["model"].get("model_name_or_path") is None:
@@ -408,7 +409,6 @@ def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, par
     """For a LoRA run (``model.lora`` set; else nothing, returns ""): keep or restore the frozen base
     of a from-scratch model, inject the adapters (under zero.Init: engine.add_parameters), freeze
     the backbone; adds the trainable/frozen counts to ``params`` and returns the plan's LoRA line."""
-    from mdlmpe_ds import engine as eng
 
     spec = spec_of(run)
     if spec is None:
@@ -425,7 +425,7 @@ def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, par
     # kaiming-uniform keyed by the seed and the module name, B = 0: the run starts at the base)
     eng.add_parameters(model, lambda m: inject(m, spec), ds_config, meta=meta)
     if not meta:
-        reset_adapters(model, run.train.seed, eng.gathered_factory(), eng.rank() == 0)
+        reset_adapters(model, run.train.seed, eng.gathered_factory(), process_group.rank() == 0)
     counts = parameter_counts(model)
     params.update(counts)
     share = 100.0 * counts["trainable"] / max(1, counts["trainable"] + counts["frozen"])
@@ -441,9 +441,6 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
     a resumed run loads it from there (collective)."""
     from safetensors.torch import save_file
 
-    from mdlmpe_ds import checkpoint as ckpt
-    from mdlmpe_ds import engine as eng
-
     names = [n for n, _ in model.named_parameters() if not is_mdlmpe_name(n)]
     if resume_from is None:
         tensors = eng.gathered_tensors(model, names)
@@ -454,7 +451,7 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, target)
             setattr(model, IDENTITY_ATTR, base_identity(target))  # recorded in every checkpoint (rank 0)
-        eng.barrier()
+        process_group.barrier()
         return
     source = find_base_file(resume_from, ckpt.read_saved_run(resume_from).run_config)
     tensors = load_base_file(source)  # a truncated file is named as such first

@@ -33,10 +33,15 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.attention import planned_backend
+from mdlmpe_ds.attention.blocked import eager_block_rows
 from mdlmpe_ds.attention.impl import AttentionImpl
-from mdlmpe_ds.head_chunks import DEFAULT_CHUNK, configured_chunk
+from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.recompute import Recompute
+from mdlmpe_ds.models.transformer import Block, DiffusionLM, LayerContext, build_shared_phase
+from mdlmpe_ds.pe.encoder import MDLMPEEncoder
+from mdlmpe_ds.pe.rope import rotary_angles
+from mdlmpe_ds.training.head_chunks import DEFAULT_CHUNK, configured_chunk
 
 GIB = 2**30
 # CUDA context, cuBLAS/NCCL workspaces and caching-allocator fragmentation, typical on an H100.
@@ -181,14 +186,11 @@ def attention_transient_bytes(
     impl = _backend_on(impl or AttentionImpl(), device, cfg)
     pairs = cfg.head_dim // 2
     if impl.backend == "triton":
-        from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
-
         return float(pair_buffer_bytes(batch, length, len(range(1, pairs, 2)), impl.pair_buffer_bytes))
     if impl.backend == "triton-pair":
         return float(batch * cfg.num_heads * length * length * p)
     if _pair_bytes_saved(cfg, impl, length):  # saved: counted per token there
         return 0.0
-    from mdlmpe_ds.attention.blocked import eager_block_rows
 
     rows = impl.query_block
     if not impl.compile:
@@ -241,7 +243,6 @@ class MemoryPlan:
 
 def _parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(all parameters, the largest single module's parameters) from the meta-device model."""
-    from mdlmpe_ds.models.transformer import DiffusionLM
 
     with torch.device("meta"):
         model = DiffusionLM(cfg)
@@ -270,7 +271,7 @@ def plan_memory(
     ``head_chunk``: rows per LM-head chunk (default: what training uses, ``configured_chunk()``).
     ``impl``: how the MDLMPE attention runs (default ``AttentionImpl()``); ``recompute``: the
     checkpointing (default ``Recompute()``: none).
-    LoRA (mdlmpe_ds/lora.py): ``extra_params`` adapter elements are added to the parameters, and
+    LoRA (mdlmpe_ds/lora/adapters.py): ``extra_params`` adapter elements are added to the parameters, and
     gradients and optimizer states are those of ``trainable_params`` only (default: all).
     ``device`` "cpu": the ranks are CPU processes, so no CUDA context allowance is added."""
     head_chunk = head_chunk or configured_chunk()
@@ -429,9 +430,6 @@ def measure_layer(
     after forward (``kept``, the layer output standing in for the input it holds) and the peak of
     live tensors during its backward above what was kept (``backward``: the recomputed layer and
     the gradients)."""
-    from mdlmpe_ds.models.transformer import Block, LayerContext, build_shared_phase
-    from mdlmpe_ds.pe.encoder import MDLMPEEncoder
-    from mdlmpe_ds.pe.rope import rotary_angles
 
     torch.manual_seed(seed)
     impl = impl or AttentionImpl()

@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 from mdlmpe_ds.diffusion.elbo import replicate_group
 from mdlmpe_ds.diffusion.layouts import LAYOUTS, corrupt_layout, layout_draws
+from mdlmpe_ds.evaluation.perplexity import window_batches
+from mdlmpe_ds.pe.availability import gaussian_taps
+from mdlmpe_ds.pe.config import MDLMPEConfig
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 1.0)
@@ -92,8 +95,6 @@ def paired_difference(x_a, x_b, n) -> tuple[float, float]:
 
 def local_deviation(masked: torch.Tensor, valid: torch.Tensor, p: torch.Tensor, length: int) -> torch.Tensor:
     """|local visible fraction - (1 - p)| of every position [B, L] fp64 (module doc)."""
-    from mdlmpe_ds.pe.availability import gaussian_taps
-    from mdlmpe_ds.pe.config import MDLMPEConfig
 
     cfg = MDLMPEConfig(max_seq_len=max(length, 2))
     taps = gaussian_taps(cfg.window, cfg.sigma).double().clone()
@@ -232,7 +233,6 @@ def summarise(
 
 def corpus_batches(corpus: str, tokenizer, settings: LayoutEvalSettings, family: str) -> list[dict]:
     """The first ``settings.windows`` packed windows of ``corpus`` in batches, with ``maskable``."""
-    from mdlmpe_ds.evaluation.perplexity import window_batches
 
     return window_batches(corpus, tokenizer, settings.seq_len, settings.windows, settings.batch_size, family)
 

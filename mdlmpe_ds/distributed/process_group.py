@@ -1,7 +1,7 @@
 """The process group as plain torch sees it: rank, world size, barrier, a clean exit.
 
 Why a module of its own: the trainer, the checkpointer and the callbacks need to know who they are
-and to wait for each other, which is torch.distributed alone; DeepSpeed (``engine.py``) is needed
+and to wait for each other, which is torch.distributed alone; DeepSpeed (``distributed/engine.py``) is needed
 only to build and step the engine. Host-tensor collectives on their own gloo groups stay in
 ``collectives.py`` (a bottom utility the data and config modules already share); the session that
 creates the default group stays in ``engine.distributed_session``, because it is DeepSpeed's

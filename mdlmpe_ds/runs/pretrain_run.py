@@ -15,11 +15,19 @@ import shutil
 import socket
 from pathlib import Path
 
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds.config import RunConfig
-from mdlmpe_ds.faults import NO_FAULTS, Faults
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.data.assets import default_cache_dir
+from mdlmpe_ds.data.corpora import corpus_text_files, load_packed_corpus
+from mdlmpe_ds.data.fingerprint import packed_fingerprint
+from mdlmpe_ds.data.packing import packed_collate
+from mdlmpe_ds.data.sampler import LengthGroupedSampler
+from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
+from mdlmpe_ds.diffusion.elbo import scored_positions
+from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, store_dir
 from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
+from mdlmpe_ds.tasks.pretrain import PretrainTask
+from mdlmpe_ds.training.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +49,6 @@ def sentencepiece_for_corpus(spec: str, vocab: int, cache_root: Path | None = No
     half-written tokenizer behind. Nodes sharing the cache may train it at the same time (each
     node's first rank builds): the first rename wins and the others keep that copy.
     """
-    from mdlmpe_ds.data.assets import default_cache_dir
-    from mdlmpe_ds.data.corpora import corpus_text_files
-    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 
     files = corpus_text_files(spec)
     root = (cache_root or default_cache_dir()) / "tokenizers"
@@ -75,9 +80,6 @@ def resolve_tokenizer_dir(run: RunConfig) -> Path:
 def validation_batches(run: RunConfig, tokenizer, family: str) -> list[dict] | None:
     """The first ``train.eval_sequences`` windows of ``data.validation``, in micro-batches, each
     with the positions a ``family`` model is scored on (``maskable``)."""
-    from mdlmpe_ds.data.corpora import load_packed_corpus
-    from mdlmpe_ds.data.pretrain import packed_collate
-    from mdlmpe_ds.diffusion.elbo import scored_positions
 
     d, t = run.data, run.train
     if d.validation is None:
@@ -105,10 +107,6 @@ def pretrain_sources(local: RunConfig) -> tuple[Path, str]:
 def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
     """The packed corpus (each node's first rank packs and caches it first), checked equal on every
     rank, and this rank's sampler over its windows."""
-    from mdlmpe_ds.data.corpora import load_packed_corpus
-    from mdlmpe_ds.data.fingerprint import packed_fingerprint
-    from mdlmpe_ds.data.pretrain import packed_collate
-    from mdlmpe_ds.data.sampler import LengthGroupedSampler
 
     d, t = run.data, run.train
     tokenizer = inputs.tokenizer
@@ -133,8 +131,8 @@ def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
     sampler = LengthGroupedSampler(
         [d.max_len] * len(dataset),
         t.micro_batch_size,
-        rank=eng.rank(),
-        world_size=eng.world_size(),
+        rank=process_group.rank(),
+        world_size=process_group.world_size(),
         seed=t.seed,
     )
     return RunData(dataset, fingerprint, sampler, packed_collate)
@@ -142,7 +140,6 @@ def load_data(run: RunConfig, inputs: RunInputs) -> RunData:
 
 def make_task(run: RunConfig, inputs: RunInputs, data: RunData):
     """The pretraining task with its validation windows (read on each node's first rank first)."""
-    from mdlmpe_ds.tasks.pretrain import PretrainTask
 
     family = inputs.model_config.family
     validation = rank_zero_first(lambda: validation_batches(run, inputs.tokenizer, family))
@@ -152,7 +149,7 @@ def make_task(run: RunConfig, inputs: RunInputs, data: RunData):
 
 
 def summarise(run: RunConfig, summary: dict, trainer, task, data: RunData, total: int) -> None:
-    t, world = run.train, eng.world_size()
+    t, world = run.train, process_group.world_size()
     summary.update(
         {
             "finished": trainer.state.step >= total,  # False after train.stop_at
@@ -178,7 +175,7 @@ def run_pretrain(
 ) -> dict:
     """Build the packed data, the model under ZeRO-3 and the engine; pretrain (runs/assembly.py).
     Call inside `engine.distributed_session` (except dry runs). ``faults``: test hooks
-    (mdlmpe_ds/faults.py)."""
+    (mdlmpe_ds/training/faults.py)."""
     return assemble_and_train(PRETRAIN, run, ds_config_path, resume, dry_run, faults, allow_changes)
 
 

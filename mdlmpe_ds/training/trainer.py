@@ -35,13 +35,14 @@ from typing import Any
 
 import torch
 
-from mdlmpe_ds import collectives, distributed
-from mdlmpe_ds import engine as eng
-from mdlmpe_ds.callback import Callback, NonFiniteError, Stopped
-from mdlmpe_ds.checkpointer import Checkpointer, RunMeta
-from mdlmpe_ds.config import RunConfig
+from mdlmpe_ds.config.run import RunConfig
+from mdlmpe_ds.distributed import collectives
+from mdlmpe_ds.distributed import engine as eng
+from mdlmpe_ds.distributed import process_group as distributed
 from mdlmpe_ds.tasks import Task
-from mdlmpe_ds.tracking import make_tracker
+from mdlmpe_ds.training.callback import Callback, NonFiniteError, Stopped
+from mdlmpe_ds.training.checkpointer import Checkpointer, RunMeta
+from mdlmpe_ds.training.tracking import make_tracker
 
 __all__ = ["NonFiniteError", "Stopped", "Trainer", "TrainerState"]
 

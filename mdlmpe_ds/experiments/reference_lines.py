@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from mdlmpe_ds.data.corpora import load_packed_corpus
-from mdlmpe_ds.evaluation.layout_eval import LayoutEvalSettings, WindowScores, score_layouts
+from mdlmpe_ds.experiments.layout_eval import LayoutEvalSettings, WindowScores, score_layouts
 
 SMOOTHING = 0.5
 BIGRAM_MAX_VOCAB = 8192  # a dense [V, V] table above this would not fit comfortably; skipped then

@@ -1,5 +1,5 @@
 """What the training launchers (launch/sft.py, launch/pretrain.py, launch/compare_pe.py) share
-besides parsing (mdlmpe_ds/cli.py): their run flags as a value, the CPU re-launch under torchrun,
+besides parsing (mdlmpe_ds/config/cli.py): their run flags as a value, the CPU re-launch under torchrun,
 the resume command, and the worker's exit.
 
 On a CPU-only machine the `deepspeed` launcher starts one rank (one "device"); the scripts then
@@ -40,7 +40,7 @@ _LAUNCHER_ENV = (
 
 @dataclass(frozen=True)
 class RunFlags:
-    """A launcher's flags that are not config keys (mdlmpe_ds/cli.py parses them): the DeepSpeed
+    """A launcher's flags that are not config keys (mdlmpe_ds/config/cli.py parses them): the DeepSpeed
     config, the launcher's --local_rank (ignored: the environment's LOCAL_RANK is the source of
     truth), the config file, --dry-run, --resume, --allow_config_change, --recipe."""
 
@@ -165,9 +165,11 @@ def run_job(job, run, args, report) -> int:
     distributed session with ``report(summary)`` on rank 0. Exit code 3 when the run stopped on
     too many non-finite updates (the message names the last good checkpoint); 128 + the signal
     number when a SIGTERM/SIGINT or a lost launcher stopped it after a checkpoint (lifecycle.py)."""
-    from mdlmpe_ds import engine, lifecycle, run_lock
+    from mdlmpe_ds import run_lock
+    from mdlmpe_ds.distributed import engine, process_group
     from mdlmpe_ds.stop_request import StoppedDuringSetup
-    from mdlmpe_ds.trainer import NonFiniteError, Stopped
+    from mdlmpe_ds.training import lifecycle
+    from mdlmpe_ds.training.trainer import NonFiniteError, Stopped
 
     if args.dry_run:
         # No process group in a dry run: the world size the real run will have, for this call only.
@@ -186,15 +188,15 @@ def run_job(job, run, args, report) -> int:
         try:
             summary = job(run, args.deepspeed, resume=args.resume, allow_changes=args.allow_config_change)
         except NonFiniteError as err:
-            print(f"[rank {engine.rank()}] stopping: {err}", file=sys.stderr, flush=True)
+            print(f"[rank {process_group.rank()}] stopping: {err}", file=sys.stderr, flush=True)
             return 3
         except (Stopped, StoppedDuringSetup) as err:
-            if engine.rank() == 0:
+            if process_group.rank() == 0:
                 print(f"[rank 0] {err}", file=sys.stderr, flush=True)
             return err.exit_code
         finally:
             run_lock.release()
-        if engine.rank() == 0:
+        if process_group.rank() == 0:
             report(summary)
     return 0
 
@@ -203,7 +205,7 @@ def exit_process(exit_code: int) -> None:
     """Leave: a worker under torchrun / the deepspeed launcher through the engine's teardown exit
     (everything is written; gloo's C++ teardown is racy), anything else normally."""
     if "LOCAL_RANK" in os.environ:
-        from mdlmpe_ds.engine import exit_after_teardown
+        from mdlmpe_ds.distributed.process_group import exit_after_teardown
 
         exit_after_teardown(exit_code)
     sys.exit(exit_code)

@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mdlmpe_ds.config.cli import canonical_key
+
 APPLIED, RUNTIME, CHECKED, REFUSED = "applied", "runtime", "checked", "refused"
 #: Refused keys that --allow_config_change cannot force: the checkpoint could not be loaded at all.
 NEVER_FORCED = ("model.lora", "train.precision")
@@ -170,7 +172,6 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
 def parse_allowed(values: list[str] | None) -> set[str]:
     """``--allow_config_change`` values (repeated and/or comma lists) -> full key names; an unknown
     key is an error listing the refused ones."""
-    from mdlmpe_ds.cli import canonical_key  # the command line's key names
 
     out = set()
     for value in values or []:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
-from mdlmpe_ds import engine, lora, weights_only
+from mdlmpe_ds.distributed import engine
+from mdlmpe_ds.lora import adapters as lora
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.transformer import DiffusionLM
+from mdlmpe_ds.training import weights_only
 
 
 def checkpoint_state(step_dir: str | Path) -> dict[str, torch.Tensor]:

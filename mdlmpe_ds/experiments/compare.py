@@ -25,7 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings
+from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, score_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 # The pretraining command every run executes, from the repository root (a subprocess, never imported).
@@ -130,8 +131,6 @@ def evaluate_all(
     encodings: list[str], seeds: list[int], out: Path, corpora: list[str], settings: EvalSettings
 ) -> list[CorpusScore]:
     """Score every run on every corpus (cached per run in eval.json, keyed by the settings)."""
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
-    from mdlmpe_ds.evaluation.perplexity import score_corpus
 
     scores: list[CorpusScore] = []
     wanted = {"settings": asdict(settings), "corpora": list(corpora)}

@@ -1,5 +1,5 @@
 """The LoRA spec: ``--lora r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down`` or a ``model.lora``
-mapping, parsed and checked with errors naming the key. Kept apart from ``lora.py`` (injection,
+mapping, parsed and checked with errors naming the key. Kept apart from ``adapters.py`` (injection,
 checkpoints, export) so the run config can validate a spec without importing the training side.
 """
 

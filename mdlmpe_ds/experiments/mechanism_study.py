@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from mdlmpe_ds.evaluation.knockout import KNOCKOUTS, knockout, shuffle_context
-from mdlmpe_ds.evaluation.layout_eval import (
+from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+from mdlmpe_ds.experiments.knockout import KNOCKOUTS, knockout, shuffle_context
+from mdlmpe_ds.experiments.layout_eval import (
     LayoutEvalSettings,
     WindowScores,
     corpus_batches,
@@ -35,6 +36,7 @@ from mdlmpe_ds.evaluation.layout_eval import (
     scores_from_json,
     scores_to_json,
 )
+from mdlmpe_ds.experiments.reference_lines import ngram_log_probs, reference_scores
 
 CACHE = "mechanism_eval.json"
 REFERENCE_CACHE = "reference_lines.json"
@@ -52,7 +54,6 @@ def evaluate_run(
 ) -> dict[str, dict[str, WindowScores]]:
     """``{"plain": scores, "shuffle": ..., "constant": ...}`` of one run (``constant`` for MDLMPE
     only), from the cache when it was made with the same settings and corpus."""
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
     wanted = {"settings": asdict(settings), "corpus": corpus}
     cache = directory / CACHE
@@ -96,8 +97,6 @@ def reference_lines(
     """The unigram and bigram reference lines (reference_lines.py) of ``corpus``'s scored windows,
     fitted on ``train_corpus`` with the tokenizer of the run in ``directory``; cached in
     ``<out>/reference_lines.json`` under the settings, both corpora and the tokenizer."""
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
-    from mdlmpe_ds.evaluation.reference_lines import ngram_log_probs, reference_scores
 
     model, tok_dir = load_model(directory)
     wanted = json.loads(
