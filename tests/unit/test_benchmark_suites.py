@@ -240,7 +240,9 @@ def test_hub_ids_are_identified_by_their_snapshot_for_a_real_run(tmp_path, monke
         (snap / "model.safetensors").write_bytes(b"x" * (3 if rev == "aaa" else 4))
         snapshots[rev] = snap
     current = {"rev": "aaa"}
-    monkeypatch.setattr(hub_resolve, "resolve", lambda name, **k: snapshots[current["rev"]])
+    fake_resolve = lambda name, **k: snapshots[current["rev"]]  # noqa: E731
+    monkeypatch.setattr(hub_resolve, "resolve", fake_resolve)
+    monkeypatch.setattr(cache, "resolve", fake_resolve)  # the name as the cache imported it
     first = cache.resolve_hub("GSAI-ML/LLaDA-8B-Instruct")
     assert first.name == "GSAI-ML/LLaDA-8B-Instruct" and first.family == "llada" and first.local
     assert str(snapshots["aaa"]) in first.identity

@@ -192,7 +192,7 @@ def test_sentencepiece_tokenizer_is_cached_by_content(tmp_path, assets):
 def test_sentencepiece_copy_finished_by_another_node_is_kept(tmp_path, monkeypatch):
     """Nodes sharing the cache train the same tokenizer at once (each node's first rank builds):
     a copy another node renamed into place while this one trained is kept, no error, no leftovers."""
-    import mdlmpe_ds.data.spm_tokenizer as tokenizers
+    import mdlmpe_ds.runs.pretrain_run as tokenizers  # the run calls train_sentencepiece from here
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
