@@ -28,7 +28,7 @@ from typing import Any
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 from mdlmpe_ds.evaluation.perplexity import CorpusScore, EvalSettings, score_corpus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The pretraining command every run executes, from the repository root (a subprocess, never imported).
 PRETRAIN_SCRIPT = "launch/pretrain.py"
 SUMMARY = "summary.json"

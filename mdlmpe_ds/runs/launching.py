@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_RANKS_ENV = "MDLMPE_DS_CPU_RANKS"
 _LAUNCHER_ENV = (
     "RANK",

@@ -154,7 +154,7 @@ def handler(cmd: Command) -> str:
 HANDLERS = [
     (r"launch/(sft|pretrain|compare_pe)\.py", "plan"),
     (r"launch/(export|generate|evaluate)\.py", "tool"),
-    (r"-m mdlmpe_ds\.(analysis|engine)", "tool"),
+    (r"-m mdlmpe_ds\.(analysis|distributed\.engine)", "tool"),
     (r"-m mdlmpe_ds\.evaluation\.lm_eval_adapter", "lm_eval"),
     (r"launch/(mechanism_study|runlength_study|gpu_check|analyze|benchmark)\.py|benchmarks/\w+\.py", "parse"),
     (r"-m mdlmpe_ds\.data\.(assets|corpora)", "parse"),

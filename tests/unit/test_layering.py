@@ -330,3 +330,18 @@ def test_old_layout_readers_live_in_compat():
         if path.name != "compat.py":
             text = path.read_text()
             assert not any(f"\n{t}" in text for t in tables), path
+
+
+def test_modules_that_locate_the_repository_find_it():
+    """A module that finds the repository from its own path (``REPO = Path(__file__).parents[n]``)
+    must count the folders it sits in: moving it into a package changes n."""
+    import importlib
+    import re
+
+    found = []
+    for path in sorted((REPO / "mdlmpe_ds").rglob("*.py")):
+        if re.search(r"^REPO = Path\(__file__\)", path.read_text(), re.M):
+            module = importlib.import_module(module_name(path))
+            found.append(module.__name__)
+            assert (module.REPO / "pyproject.toml").is_file() and (module.REPO / "launch").is_dir(), path
+    assert len(found) >= 3, found
