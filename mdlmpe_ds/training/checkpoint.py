@@ -50,7 +50,7 @@ REPLACED = ".replaced"  # suffix of an older copy of the same step while the new
 SUPERSEDED = "superseded"
 DS_TAG = "ds"
 DS_UNIVERSAL_TAG = (
-    "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.distributed.engine to-universal)
+    "ds_universal"  # DeepSpeed's universal copy (python launch/convert_checkpoint.py to-universal)
 )
 # config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
 # damage); checkpoints without the key were written before manifests existed.
