@@ -1,7 +1,3 @@
-"""Entry point of ``python -m mdlmpe_ds.analysis`` (see :mod:`mdlmpe_ds.analysis.cli`)."""
+"""``python -m mdlmpe_ds.analysis`` moved to launch/analyze.py (same arguments): say so, run nothing."""
 
-import sys
-
-from mdlmpe_ds.analysis.cli import main
-
-sys.exit(main())
+raise SystemExit("this command moved: python launch/analyze.py mechanism|checkpoint ... (same arguments)")

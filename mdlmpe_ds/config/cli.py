@@ -41,7 +41,7 @@ from mdlmpe_ds.hub.resolve import folded_dataset
 from mdlmpe_ds.lora import spec as lora_spec
 from mdlmpe_ds.pe.config import MDLMPEConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: mdlmpe_ds/config/cli.py -> repo root
 MDLMPE_DEST = "mdlmpe_key"  # where --model.mdlmpe.KEY lands (model.mdlmpe itself is the JSON object)
 # The run flags: not config keys, never saved in a checkpoint's config.
 RUN_FLAGS = ("deepspeed", "local_rank", "config", "dry_run", "resume", "allow_config_change", "recipe")

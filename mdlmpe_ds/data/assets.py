@@ -17,15 +17,14 @@ Cache location: ``$MDLMPE_DS_CACHE``; else ``<checkout>/.cache/mdlmpe_ds`` when 
 checkout (``.cache/`` is git-ignored); else ``~/.cache/mdlmpe_ds``. ``MDLMPE_DS_CACHE=offline``
 means "no registry access": ``ensure_assets`` raises ``AssetsOffline`` (tests then skip).
 
-Command line::
+Command line (launch/prepare_data.py)::
 
-    python -m mdlmpe_ds.data.assets prepare [--only qwen_tokenizer,chat,...] [--cache-dir DIR]
-    python -m mdlmpe_ds.data.assets list
+    python launch/prepare_data.py assets [--only qwen_tokenizer,chat,...] [--cache-dir DIR]
+    python launch/prepare_data.py list
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import importlib.util
@@ -262,29 +261,5 @@ def ensure_assets(
     return AssetPaths(root)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mdlmpe_ds.data.assets", description=__doc__.split("\n")[0]
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="download, verify and build asset parts")
-    prep.add_argument(
-        "--only", default=None, help=f"comma-separated parts (default: all of {','.join(PARTS)})"
-    )
-    prep.add_argument(
-        "--cache-dir", default=None, help=f"cache root (default: ${CACHE_ENV} or .cache/mdlmpe_ds)"
-    )
-    sub.add_parser("list", help="list the parts and their files")
-    args = parser.parse_args(argv)
-    if args.command == "list":
-        for name, part in PARTS.items():
-            print(f"{name}: {', '.join(part.files)}")
-        return 0
-    names = [p.strip() for p in args.only.split(",") if p.strip()] if args.only else list(DEFAULT_PARTS)
-    paths = ensure_assets(names, args.cache_dir)
-    print(f"prepared {', '.join(names)} under {paths.root}")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("this command moved: python launch/prepare_data.py assets [--only ...] (or list)")

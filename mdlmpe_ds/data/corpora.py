@@ -296,42 +296,41 @@ def _cache_key(source: dict[str, Any], tokenizer, options: dict[str, Any]) -> st
     return h.hexdigest()[:24]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mdlmpe_ds.data.corpora prepare CORPUS --tokenizer T --store_dir D``: build the token
-    stores a pretraining run with these settings maps (training and held-out/evaluation roles), ahead
-    of the run, so that its ranks do not wait for the build on the setup barrier."""
-    import argparse
-
+def prepare_stores(
+    spec: str,
+    tokenizer: str,
+    store_dir: str | Path,
+    roles: tuple[str, ...] = ("train", "eval"),
+    workers: int | None = None,
+    text_split: str | None = None,
+    text_column: str = "text",
+    max_documents: int | None = None,
+) -> dict[str, PackedTokenDataset]:
+    """Build the token stores a pretraining run with these settings maps (``roles`` of training and
+    held-out/evaluation), ahead of the run, so that its ranks do not wait for the build on the
+    setup barrier. ``tokenizer`` is a directory or a hub id (the run's data.tokenizer); role ->
+    the corpus as the run will map it (``launch/prepare_data.py corpus`` is the command line)."""
     from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m mdlmpe_ds.data.corpora", description=main.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="build the token stores of a corpus")
-    prep.add_argument("spec", help="a corpus as --dataset / --validation take it (e.g. openwebtext)")
-    prep.add_argument(
-        "--tokenizer", required=True, help="tokenizer directory or hub id (the run's data.tokenizer)"
-    )
-    prep.add_argument("--store_dir", required=True, help="the run's data.store_dir")
-    prep.add_argument("--role", choices=("train", "eval", "both"), default="both")
-    prep.add_argument("--workers", type=int, default=None, help="tokenising processes (data.build_workers)")
-    prep.add_argument("--text_split", default=None)
-    prep.add_argument("--text_column", default="text")
-    prep.add_argument("--max_documents", type=int, default=None, help="training role only, as in a run")
-    args = parser.parse_args(argv)
-    path = args.tokenizer if Path(args.tokenizer).exists() else str(resolve_tokenizer(args.tokenizer))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    for role in ("train", "eval") if args.role == "both" else (args.role,):
-        ds = load_packed_corpus(
-            args.spec, tokenizer, 1, split=args.text_split, text_column=args.text_column,
-            max_documents=args.max_documents if role == "train" else None, cache_dir=args.store_dir,
-            role=role, workers=args.workers,
-        )  # fmt: skip
-        m = ds.store.manifest
-        print(
-            f"{args.spec} ({role}): {ds.store.path}: {m['num_tokens']:,} tokens, {m['num_documents']:,} docs"
+    path = tokenizer if Path(tokenizer).exists() else str(resolve_tokenizer(tokenizer))
+    tok = AutoTokenizer.from_pretrained(path)
+    return {
+        role: load_packed_corpus(
+            spec,
+            tok,
+            1,
+            split=text_split,
+            text_column=text_column,
+            max_documents=max_documents if role == "train" else None,
+            cache_dir=store_dir,
+            role=role,
+            workers=workers,
         )
-    return 0
+        for role in roles
+    }
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        "this command moved: python launch/prepare_data.py corpus CORPUS --tokenizer T --store_dir D"
+    )

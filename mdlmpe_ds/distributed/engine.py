@@ -10,6 +10,7 @@ pretrained weights are then streamed in one tensor at a time under `GatheredPara
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -396,46 +397,27 @@ def load_universal_instructions(ckpt_dir: Path, saved_world: int, world: int) ->
     return (
         f"checkpoint {ckpt_dir} was written by {saved_world} ranks but this run has {world}. "
         f"ZeRO-3 shards are tied to the data-parallel world size. Convert it once with\n"
-        f"  python -m mdlmpe_ds.distributed.engine to-universal {ckpt_dir}\n"
+        f"  python launch/convert_checkpoint.py to-universal {ckpt_dir}\n"
         f"(DeepSpeed's ds_to_universal), then resume again: the universal copy is picked up automatically."
     )
 
 
 def ds_to_universal(ckpt_dir: Path) -> Path:
     """Convert `ckpt_dir/ds` (ZeRO-3 shards of one world size) into `ckpt_dir/ds_universal` with
-    DeepSpeed's ds_to_universal (single process, no process group)."""
-    import sys
-
+    DeepSpeed's ds_to_universal (single process, no process group). Its options are given as the
+    namespace its own parser builds (every option of the pinned DeepSpeed, at its default but the
+    folders and one worker each), so nothing here reads or rewrites the process's argv."""
     from deepspeed.checkpoint import ds_to_universal as tool
 
     src, dst = ckpt_dir / "ds", ckpt_dir / "ds_universal"
-    argv, sys.argv = (
-        sys.argv,
-        [
-            "ds_to_universal",
-            "--input_folder",
-            str(src),
-            "--output_folder",
-            str(dst),
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ],
+    options = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
     )
-    try:
-        args = tool.parse_arguments()
-    finally:
-        sys.argv = argv
-    tool.main(args)
+    tool.main(options)
     return dst
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) == 3 and sys.argv[1] == "to-universal":
-        out = ds_to_universal(Path(sys.argv[2]))
-        print(f"universal checkpoint written to {out}")
-    else:
-        raise SystemExit("usage: python -m mdlmpe_ds.distributed.engine to-universal CHECKPOINT_DIR")

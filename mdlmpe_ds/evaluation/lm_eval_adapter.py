@@ -1,9 +1,9 @@
 """lm-evaluation-harness adapter: benchmark a LLaDA / Dream (RoPE or MDLMPE) model, paper Table 1.
 
-Registered as lm-eval model ``mdlmpe``. One command (lm-eval's own CLI, with this module imported so
-the name is registered)::
+Registered as lm-eval model ``mdlmpe``. One command (lm-eval's own CLI, run by
+``launch/lm_eval_harness.py`` with this module imported so the name is registered)::
 
-    python -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe --device cuda \\
+    python launch/lm_eval_harness.py run --model mdlmpe --device cuda \\
         --model_args pretrained=outputs/llada-sft/export,dtype=bf16,mc_num=128 \\
         --tasks mmlu,arc_challenge,hellaswag,gsm8k --batch_size 8 --output_path results/
 
@@ -29,14 +29,13 @@ batch, so results do not depend on ``batch_size``, request order or the number o
 Data parallel: under ``torchrun`` (WORLD_SIZE > 1) every process loads the model on its own GPU
 (``cuda:LOCAL_RANK``) and lm-eval shards the requests by rank; results are gathered on rank 0::
 
-    torchrun --nproc_per_node 8 -m mdlmpe_ds.evaluation.lm_eval_adapter run --model mdlmpe --device cuda \\
+    torchrun --nproc_per_node 8 launch/lm_eval_harness.py run --model mdlmpe --device cuda \\
         --model_args pretrained=outputs/llada-sft/export,dtype=bf16 --tasks gsm8k --batch_size 8
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -321,18 +320,7 @@ def _cut_at_stop(text: str, until: Sequence[str]) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> None:
-    """lm-eval's CLI with the ``mdlmpe`` model registered (this module is imported)."""
-    from lm_eval.__main__ import cli_evaluate
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-
-
 if __name__ == "__main__":
-    main()
-    if "LOCAL_RANK" in os.environ:  # a torchrun worker: tear down the process group, then exit cleanly
-        from mdlmpe_ds.distributed.process_group import exit_after_teardown
-
-        exit_after_teardown(0)
+    raise SystemExit(
+        "this command moved: python launch/lm_eval_harness.py run --model mdlmpe ... (lm-eval's flags)"
+    )

@@ -10,7 +10,8 @@ rank 0 downloads first and the other ranks then read the cache (``local_files_on
 A run's config keeps the names the user gave (hub ids and ``model.revision``), never the snapshot
 directories they resolve to: those are machine-local cache paths, and a checkpoint's config must
 reproduce the run on another machine. ``local_run`` returns a copy with the local directories to
-build from; ``recorded_tokenizer`` is the tokenizer name a checkpoint records.
+build from; ``recorded_tokenizer`` is the tokenizer name a checkpoint records; ``resolution`` is
+what the names resolved to on this machine, which a checkpoint records beside the config as written.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ MODEL_PATTERNS = [
 TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
 
 # org/name, optionally @revision (a branch, tag or commit) for the tools without a --revision flag.
+# A snapshot folder of the Hugging Face cache is named by its commit: .../snapshots/<40 hex>.
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?$")
 
 
@@ -196,3 +199,31 @@ def recorded_tokenizer(run, tokenizer_dir: str | Path) -> str:
         return str(tokenizer_dir)
     revision = _tokenizer_revision(run)
     return f"{name}@{revision}" if revision and "@" not in name else name
+
+
+def snapshot_commit(path: str | Path) -> str | None:
+    """The commit of a hub cache snapshot folder (``.../snapshots/<sha>``); None for other paths."""
+    path = Path(path)
+    return path.name if path.parent.name == "snapshots" and _COMMIT.match(path.name) else None
+
+
+def resolution(
+    run, local, tokenizer_dir: str | Path | None = None, data_source: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    """What ``run``'s names resolved to here: ``{"section.key": {"value": ..., "commit": ...}}`` for
+    every key ``local`` (``local_run(run)``) holds differently, plus ``"tokenizer"`` (the directory
+    read, when it is not the name the checkpoint records) and ``"data.dataset"`` (the source read,
+    when it is not the key's value, e.g. the demo's chat file). ``commit``: the snapshot's commit
+    when the value is a hub cache snapshot, else None. A checkpoint keeps this beside the config
+    as written, so it says both what was asked for and which files were used."""
+    written, resolved = run.flat(), local.flat()
+    out = {
+        key: {"value": value, "commit": snapshot_commit(value) if isinstance(value, str) else None}
+        for key, value in resolved.items()
+        if value != written.get(key)
+    }
+    if tokenizer_dir is not None and str(tokenizer_dir) != recorded_tokenizer(run, tokenizer_dir):
+        out["tokenizer"] = {"value": str(tokenizer_dir), "commit": snapshot_commit(tokenizer_dir)}
+    if data_source is not None and str(data_source) != resolved.get("data.dataset"):
+        out["data.dataset"] = {"value": str(data_source), "commit": None}
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 from mdlmpe_ds.config.run import RunConfig
 from mdlmpe_ds.distributed import engine as eng
 from mdlmpe_ds.distributed import process_group
-from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer
+from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer, resolution
 from mdlmpe_ds.runs.common import (
     build_engine,
     check_resume_data,
@@ -96,12 +96,23 @@ def make_trainer(
     tokenizer_name: str,
     fingerprint: str,
     faults: Faults,
+    resolved: dict | None = None,
 ) -> Trainer:
     """The one place a run's trainer is constructed, with the callbacks this run needs
-    (callbacks.callbacks_for: head schedule, MDLMPE statistics, LoRA, non-finite policy, stops, faults)."""
+    (callbacks.callbacks_for: head schedule, MDLMPE statistics, LoRA, non-finite policy, stops, faults).
+    ``resolved``: what the run's names resolved to (hub.resolve.resolution), kept in each checkpoint."""
     hooks = callbacks_for(run, model_config, faults)
     return Trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, fingerprint, callbacks=hooks
+        run,
+        engine,
+        model_config,
+        task,
+        total,
+        resume_from,
+        tokenizer_name,
+        fingerprint,
+        callbacks=hooks,
+        resolved=resolved,
     )
 
 
@@ -136,8 +147,18 @@ def assemble_and_train(
         inputs.local, model_config, ds_config, total, len(data.dataset), False, resume_from, as_written=run
     )
     tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
+    resolved = resolution(run, inputs.local, inputs.tokenizer_dir, inputs.source)
     trainer = make_trainer(
-        run, engine, model_config, task, total, resume_from, tokenizer_name, data.fingerprint, faults
+        run,
+        engine,
+        model_config,
+        task,
+        total,
+        resume_from,
+        tokenizer_name,
+        data.fingerprint,
+        faults,
+        resolved,
     )
     summary = trainer.train()
     summary.update(

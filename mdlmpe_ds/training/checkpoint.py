@@ -50,7 +50,7 @@ REPLACED = ".replaced"  # suffix of an older copy of the same step while the new
 SUPERSEDED = "superseded"
 DS_TAG = "ds"
 DS_UNIVERSAL_TAG = (
-    "ds_universal"  # DeepSpeed's universal copy (python -m mdlmpe_ds.distributed.engine to-universal)
+    "ds_universal"  # DeepSpeed's universal copy (python launch/convert_checkpoint.py to-universal)
 )
 # config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
 # damage); checkpoints without the key were written before manifests existed.
@@ -408,7 +408,12 @@ def write_meta(
     model_config: dict,
     tokenizer: str,
     data_fingerprint: str | None = None,
+    resolved: dict | None = None,
 ) -> None:
+    """The checkpoint's ``config.json``: the run config as the user wrote it (hub ids, dataset
+    names) and, under ``resolved``, what those names resolved to on the machine that wrote it
+    (``{"section.key": {"value": local path or name, "commit": snapshot commit or null}}``; empty
+    when nothing was resolved; absent in checkpoints written before it was recorded)."""
     meta = {
         "format": FORMAT,
         "step": step,
@@ -417,5 +422,6 @@ def write_meta(
         "model_config": model_config,
         "tokenizer": tokenizer,
         "data_fingerprint": data_fingerprint,
+        "resolved": resolved or {},
     }
     fsync_write(path / "config.json", json.dumps(meta, indent=2, default=str))

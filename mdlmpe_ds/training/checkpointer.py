@@ -28,7 +28,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RunMeta:
     """What every checkpoint's config.json records about the run besides its step and world size:
-    ``run`` and ``model`` have ``to_dict()`` (read at each save, as the run is then)."""
+    ``run`` and ``model`` have ``to_dict()`` (read at each save, as the run is then); ``resolved``
+    is what the run's names resolved to on this machine (hub.resolve.resolution)."""
 
     run: Any
     model: Any
     tokenizer: str
     data_fingerprint: str | None = None
+    resolved: dict[str, Any] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -82,7 +84,7 @@ class Checkpointer:
     def _write_meta(self, staging: Path, step: int) -> None:
         m = self.meta
         run, model = m.run.to_dict(), m.model.to_dict()
-        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint)
+        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint, m.resolved)
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer_state: Callable[[], dict[str, Any]]) -> Path:

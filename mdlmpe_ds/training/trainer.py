@@ -85,6 +85,7 @@ class Trainer:
         tokenizer_dir: str = "",
         data_fingerprint: str | None = None,
         callbacks: Sequence[Callback] = (),
+        resolved: dict | None = None,
     ) -> None:
         self.run, self.engine, self.model_config, self.task = run, engine, model_config, task
         self.total_updates = total_updates
@@ -93,7 +94,7 @@ class Trainer:
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self.state = TrainerState()
         self.save_pending = False  # a save a callback deferred: write it after the next allowed update
-        meta = RunMeta(run, model_config, str(tokenizer_dir), data_fingerprint)
+        meta = RunMeta(run, model_config, str(tokenizer_dir), data_fingerprint, resolved or {})
         self.checkpointer = Checkpointer(run.train.output_dir, run.train.keep_last, meta, self.callbacks)
         if resume_from is not None:
             self._resume(resume_from)

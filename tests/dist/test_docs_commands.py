@@ -10,7 +10,8 @@ language that is not known, or a placeholder that is not known fails the test.
   exist (the config parser refuses unknown keys) and the plan must build without weights, tokenizer
   or data. The two demo commands also train for real (2 ranks, CPU, few updates) in the module's
   fixture, whose run and export the commands below read.
-- Tools on a trained model (export, generate, evaluate, analysis, engine, lm-eval): run for real on
+- Tools on a trained model (export, generate, evaluate, analyze, convert_checkpoint,
+  lm_eval_harness): run for real on
   the fixture's tiny run and export when the paths they name exist there (``outputs/llada-sft`` is
   the demo run; ``SMALL`` appends CPU sizes); with a hub id or another machine's path, their
   argument parser must accept them.
@@ -153,11 +154,12 @@ def handler(cmd: Command) -> str:
 
 HANDLERS = [
     (r"launch/(sft|pretrain|compare_pe)\.py", "plan"),
-    (r"launch/(export|generate|evaluate)\.py", "tool"),
-    (r"-m mdlmpe_ds\.(analysis|distributed\.engine)", "tool"),
-    (r"-m mdlmpe_ds\.evaluation\.lm_eval_adapter", "lm_eval"),
-    (r"launch/(mechanism_study|runlength_study|gpu_check|analyze|benchmark)\.py|benchmarks/\w+\.py", "parse"),
-    (r"-m mdlmpe_ds\.data\.(assets|corpora)", "parse"),
+    (r"launch/(export|generate|evaluate|analyze|convert_checkpoint)\.py", "tool"),
+    (r"launch/lm_eval_harness\.py", "lm_eval"),
+    (
+        r"launch/(mechanism_study|runlength_study|gpu_check|benchmark|prepare_data)\.py|benchmarks/\w+\.py",
+        "parse",
+    ),
     (r"tests/unit/benchmark_fixtures\.py", "run"),
     (r"make", "make"),
     (r"pip", "pip"),
@@ -182,7 +184,7 @@ def inputs(cmd: Command) -> list[str]:
         if prev in ("--checkpoint", "--model") or (i == 0 and not arg.startswith("-") and "/" in arg):
             out.append(arg)
         out += re.findall(r"pretrained=([^,]+)", arg)
-    if cmd.target == "-m mdlmpe_ds.distributed.engine":
+    if cmd.target == "launch/convert_checkpoint.py":  # to-universal STEP_DIR
         out = args[1:2]
     return out
 
@@ -464,7 +466,7 @@ def _lm_eval_on_cpu(cmd: Command, root: Path) -> list[str]:
         out.append(arg)
         i += 1
     assert "--device" in out, f"{cmd.where}: lm-eval needs its own --device flag (cpu or cuda)"
-    return [sys.executable, "-m", cmd.target[3:], *out]
+    return [sys.executable, str(REPO / cmd.target), *out]
 
 
 # CPU sizes appended to a tool's documented arguments when it runs here (the last value wins).

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from sft_runs import BASE_ARGS, check, launch, metrics
+from sft_runs import BASE_ARGS, REPO, check, launch, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -59,7 +59,7 @@ def test_resume_on_another_world_size(sft_straight, data, tmp_path):
     assert "written by 2 ranks but this run has 1" in proc.stderr and "to-universal" in proc.stderr
     step4 = out / "checkpoints" / "step_000004"
     convert = subprocess.run(
-        [sys.executable, "-m", "mdlmpe_ds.distributed.engine", "to-universal", str(step4)],
+        [sys.executable, str(REPO / "launch" / "convert_checkpoint.py"), "to-universal", str(step4)],
         capture_output=True,
         text=True,
         timeout=120,

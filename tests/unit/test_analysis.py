@@ -1,5 +1,5 @@
 """The mechanism figures' numbers against the paper's Appendix F statements, the PNG/JSON outputs of
-``python -m mdlmpe_ds.analysis``, and the checkpoint diagnostics on a tiny saved model.
+``python launch/analyze.py``, and the checkpoint diagnostics on a tiny saved model.
 
 Sizes are small (L <= 128, a 2-layer tiny model) so the file runs in seconds. The envelope is checked
 against a brute force over every mask of a length-10 sequence, computed with the product's banded
@@ -8,9 +8,11 @@ against a brute force over every mask of a length-10 sequence, computed with the
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +20,16 @@ import torch
 from PIL import Image
 
 from mdlmpe_ds.analysis import mechanism
-from mdlmpe_ds.analysis.cli import main
 from mdlmpe_ds.analysis.diagnostics import denoise_trajectory, pair_columns, probe_input, sampler_trajectory
 from mdlmpe_ds.analysis.mechanism import Geometry
 from mdlmpe_ds.pe.availability import gaussian_taps, sine_basis, token_summaries
+
+_SPEC = importlib.util.spec_from_file_location(
+    "launch_analyze", Path(__file__).resolve().parents[2] / "launch" / "analyze.py"
+)
+_LAUNCH = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_LAUNCH)
+main = _LAUNCH.main  # the command line lives in launch/
 
 SMALL = Geometry(length=128, window_ratio=3 / 16, rho=0.25, theta=10000.0, head_dim=32)
 

@@ -227,3 +227,27 @@ def test_dataset_config_name_and_split(tmp_path, monkeypatch):
     assert split_dataset_name("allenai/tulu-3-sft-mixture") == ("allenai/tulu-3-sft-mixture", None)
     with pytest.raises(ValueError, match="names config 'all' but dataset_config is 'tiny'"):
         split_dataset_name("x/y:all", "tiny")
+
+
+def test_resolution_names_each_key_that_resolved_and_its_commit(hub_cache, tiny_hub_model):
+    """What a checkpoint records beside the run as written: the snapshot the hub id resolved to (with
+    its commit) and the tokenizer directory read; a run of local paths resolves nothing."""
+    from mdlmpe_ds.hub.resolve import resolution
+
+    model_dir, chat = tiny_hub_model
+    snapshot = hub_cache("org/tiny-llada", model_dir, refs=("main", "v1"))
+    run = build_config(
+        None, ["--model_name_or_path", "org/tiny-llada", "--revision", "v1", "--dataset", str(chat)]
+    )
+    assert resolution(run, local_run(run), snapshot, str(chat)) == {
+        "model.model_name_or_path": {"value": str(snapshot), "commit": REV},
+        "tokenizer": {"value": str(snapshot), "commit": REV},
+    }
+    assert run.model.model_name_or_path == "org/tiny-llada"
+    mine = build_config(None, ["--model_name_or_path", str(model_dir), "--dataset", str(chat)])
+    assert resolution(mine, local_run(mine), model_dir, str(chat)) == {}
+    demo = build_config(None, ["--dataset", "org/chat", "--dataset_config", "all"])
+    assert resolution(demo, local_run(demo), None, "/data/chat.jsonl") == {
+        "data.dataset": {"value": "/data/chat.jsonl", "commit": None}
+    }
+    assert demo.data.dataset == "org/chat:all"  # folded by the command line: the name as written

@@ -182,14 +182,14 @@ def test_library_code_never_runs_a_launch_script_by_path():
 # The one library module that builds a parser: the training command line and config files from the
 # config's types (jsonargparse); it never reads sys.argv, the launch/ scripts pass argv in.
 PARSER_MODULE = "mdlmpe_ds/config/cli.py"
-# Library modules that still parse their own `python -m` command line (each is a module entry of
-# its own, outside the training command line); delete an entry once its parser moves to launch/.
-PARSING_PENDING = {
-    "mdlmpe_ds/analysis/cli.py": "python -m mdlmpe_ds.analysis",
-    "mdlmpe_ds/data/assets.py": "python -m mdlmpe_ds.data.assets prepare",
-    "mdlmpe_ds/data/corpora.py": "python -m mdlmpe_ds.data.corpora prepare",
-    "mdlmpe_ds/distributed/engine.py": "python -m mdlmpe_ds.distributed.engine to-universal",
-    "mdlmpe_ds/evaluation/lm_eval_adapter.py": "lm-eval's own CLI entry reads sys.argv",
+# Library modules whose ``python -m`` command line moved to launch/ (their spellings were documented
+# before): each keeps only a guard that exits with the new command, so an old script fails loudly
+# instead of importing the module and exiting 0 having done nothing.
+MOVED_COMMANDS = {
+    "mdlmpe_ds/analysis/__main__.py": "launch/analyze.py",
+    "mdlmpe_ds/data/assets.py": "launch/prepare_data.py",
+    "mdlmpe_ds/data/corpora.py": "launch/prepare_data.py",
+    "mdlmpe_ds/evaluation/lm_eval_adapter.py": "launch/lm_eval_harness.py",
 }
 
 
@@ -210,13 +210,11 @@ def argv_parsing(path: Path) -> list[str]:
 
 def test_nothing_in_the_library_parses_argv():
     """Argument parsing lives in launch/: no module under mdlmpe_ds/ reads sys.argv or builds a
-    parser, except mdlmpe_ds/config/cli.py (which builds the training parser but never reads sys.argv)
-    and the pending `python -m` entries above."""
+    parser, except mdlmpe_ds/config/cli.py (which builds the training parser but never reads
+    sys.argv)."""
     offenders = {}
     for path in sorted((REPO / "mdlmpe_ds").rglob("*.py")):
         rel = str(path.relative_to(REPO))
-        if rel in PARSING_PENDING:
-            continue
         found = argv_parsing(path)
         if rel == PARSER_MODULE:
             found = [f for f in found if "sys.argv" in f]
@@ -224,7 +222,51 @@ def test_nothing_in_the_library_parses_argv():
             offenders[rel] = found
     assert offenders == {}
     assert [f for f in argv_parsing(REPO / PARSER_MODULE) if "ArgumentParser" in f]  # the rule sees it
-    assert all(argv_parsing(REPO / rel) for rel in PARSING_PENDING), "a pending entry is clean: delete it"
+
+
+def _main_guards(path: Path) -> list[list[ast.stmt]]:
+    """The bodies of ``if __name__ == "__main__":`` blocks in ``path`` (the whole module for a
+    ``__main__.py``, its docstring left out)."""
+    tree = ast.parse(path.read_text(), str(path))
+    if path.name == "__main__.py":
+        body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        return [body]
+    return [
+        node.body
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators)
+    ]
+
+
+def _is_moved_notice(body: list[ast.stmt], target: str) -> bool:
+    """One ``raise SystemExit("... launch/x.py ...")`` and nothing else."""
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return False
+    call = body[0].exc
+    text = " ".join(
+        n.value for n in ast.walk(call) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    )
+    return getattr(call.func, "id", "") == "SystemExit" and target in text
+
+
+def test_no_library_module_runs_as_a_command():
+    """Entry points live in launch/: a library module has no ``__main__`` block and no package has a
+    ``__main__.py``, except the moved commands' one-line notices (MOVED_COMMANDS), which name the
+    launch/ script and run nothing else."""
+    offenders = {}
+    for path in sorted((REPO / "mdlmpe_ds").rglob("*.py")):
+        rel = str(path.relative_to(REPO))
+        guards = _main_guards(path)
+        if rel in MOVED_COMMANDS:
+            assert guards and all(_is_moved_notice(b, MOVED_COMMANDS[rel]) for b in guards), rel
+            assert (REPO / MOVED_COMMANDS[rel]).is_file(), MOVED_COMMANDS[rel]
+        elif guards:
+            offenders[rel] = [ast.unparse(stmt) for body in guards for stmt in body]
+    assert offenders == {}
 
 
 def test_the_checks_catch_a_back_edge_and_a_cycle():

@@ -9,6 +9,7 @@ the hub.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -305,16 +306,20 @@ def test_streaming_build_equals_non_streaming_build(hub, gpt2, tmp_path, monkeyp
 
 
 def test_prepare_command_builds_the_stores_a_run_maps(hub, assets, tmp_path, monkeypatch, capsys):
-    """``python -m mdlmpe_ds.data.corpora prepare`` ahead of a run: the run's own calls (as
+    """``python launch/prepare_data.py corpus`` ahead of a run: the run's own calls (as
     pretraining.py makes them) find both stores and build nothing."""
-    from mdlmpe_ds.data import corpora
+    spec = importlib.util.spec_from_file_location("launch_prepare_data", REPO / "launch" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
 
     monkeypatch.setitem(
         named.HUB_CORPORA, "openwebtext", dataclasses.replace(named.HUB_CORPORA["openwebtext"], heldout=40)
     )
     tok_dir = str(assets("gpt2_tokenizer").gpt2_tokenizer_dir)
     stores = tmp_path / "stores"
-    assert corpora.main(["prepare", "openwebtext", "--tokenizer", tok_dir, "--store_dir", str(stores)]) == 0
+    assert (
+        prepare_data.main(["corpus", "openwebtext", "--tokenizer", tok_dir, "--store_dir", str(stores)]) == 0
+    )
     assert (
         "openwebtext (train)" in capsys.readouterr().out and len(list(stores.glob("store-*/COMPLETE"))) == 2
     )
