@@ -36,9 +36,10 @@ from mdlmpe_ds.attention import planned_backend
 from mdlmpe_ds.attention.blocked import eager_block_rows
 from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
+from mdlmpe_ds.models.block import Block, LayerContext
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.recompute import Recompute
-from mdlmpe_ds.models.transformer import Block, DiffusionLM, LayerContext, build_shared_phase
+from mdlmpe_ds.models.transformer import DiffusionLM, build_shared_phase
 from mdlmpe_ds.pe.encoder import MDLMPEEncoder
 from mdlmpe_ds.pe.rope import rotary_angles
 from mdlmpe_ds.training.head_chunks import DEFAULT_CHUNK, configured_chunk
