@@ -42,6 +42,8 @@ LEVELS: dict[str, int] = {
     "distributed.engine": 60,  # the only module importing DeepSpeed
     "training.checkpoint": 60,  # the checkpoint format: layout, manifest, verification, metadata
     "training.memory_plan": 58,
+    "training.activation_bytes": 57,  # the plan's per-layer activation terms, read off the code
+    "training.memory_measure": 57,  # one real layer measured on the CPU (the terms' ground truth)
     "lora.adapters": 59,  # LoRA injection through peft, names, counts, the initial draw (over models)
     "training.weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
     "training.resume_changes": 57,  # what a resume may change (over config's key names)

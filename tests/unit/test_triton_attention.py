@@ -200,7 +200,7 @@ def test_pair_buffer_budget_is_a_run_time_choice():
     """``attention.pair_buffer_gib`` is validated, reaches the memory plan, and a smaller one
     plans less transient memory for the Triton kernels (row blocks) than the default."""
     from mdlmpe_ds.models.presets import preset
-    from mdlmpe_ds.training.memory_plan import attention_transient_bytes
+    from mdlmpe_ds.training.activation_bytes import attention_transient_bytes
 
     with pytest.raises(ValueError, match="pair_buffer_gib"):
         AttentionImpl(pair_buffer_gib=0).validate()
