@@ -20,7 +20,7 @@ from PIL import Image
 from mdlmpe_ds.analysis import mechanism
 from mdlmpe_ds.analysis.cli import main
 from mdlmpe_ds.analysis.diagnostics import denoise_trajectory, pair_columns, probe_input, sampler_trajectory
-from mdlmpe_ds.analysis.mechanism import Geometry
+from mdlmpe_ds.analysis.mechanism_setup import Geometry
 from mdlmpe_ds.pe.availability import gaussian_taps, sine_basis, token_summaries
 
 SMALL = Geometry(length=128, window_ratio=3 / 16, rho=0.25, theta=10000.0, head_dim=32)
