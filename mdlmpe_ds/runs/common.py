@@ -22,7 +22,8 @@ from mdlmpe_ds.distributed import collectives, process_group
 from mdlmpe_ds.distributed import engine as eng
 from mdlmpe_ds.hub.resolve import local_run
 from mdlmpe_ds.lora import attach as lora_attach
-from mdlmpe_ds.models.hf_io import load_weights_into, read_hf_config
+from mdlmpe_ds.models.hf_config import read_hf_config
+from mdlmpe_ds.models.hf_io import load_weights_into
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 from mdlmpe_ds.training import checkpoint as ckpt
