@@ -14,7 +14,7 @@ import dataclasses
 from mdlmpe_ds.attention import planned_backend
 from mdlmpe_ds.attention.blocked import eager_block_rows
 from mdlmpe_ds.attention.impl import AttentionImpl
-from mdlmpe_ds.attention.triton.backend import pair_buffer_bytes
+from mdlmpe_ds.attention.triton.plan import pair_buffer_bytes
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.training.head_chunks import DEFAULT_CHUNK
