@@ -106,9 +106,9 @@ def build_step(args: argparse.Namespace, pe: str, lora_spec=None):
 def lora_worker(args: argparse.Namespace) -> dict:
     """Full fine-tune and LoRA of the same MDLMPE model: AdamW state bytes (after the warm-ups),
     gradient bytes and median step time of each."""
-    from mdlmpe_ds.lora import adapters as lora
+    from mdlmpe_ds.lora.spec import parse as parse_lora
 
-    spec = lora.parse(args.lora)
+    spec = parse_lora(args.lora)
     result = {"spec": spec.text()}
     for name in ("full", "lora"):
         info, step = build_step(args, "mdlmpe", spec if name == "lora" else None)

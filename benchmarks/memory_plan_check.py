@@ -27,14 +27,9 @@ from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.models.scored_head import scored_cross_entropy
 from mdlmpe_ds.pe.config import MDLMPEConfig
-from mdlmpe_ds.training.memory_plan import (
-    GIB,
-    LiveTensorBytes,
-    head_bytes,
-    layer_activation_bytes,
-    measure_layer,
-    plan_memory,
-)
+from mdlmpe_ds.training.activation_bytes import head_bytes, layer_activation_bytes
+from mdlmpe_ds.training.memory_measure import LiveTensorBytes, measure_layer
+from mdlmpe_ds.training.memory_plan import GIB, plan_memory
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTED = Recompute(layers=True)  # what a training run uses (model.gradient_checkpointing)

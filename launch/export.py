@@ -11,7 +11,7 @@ chat template training used, and the self-contained modeling file with `auto_map
 (mdlmpe_ds/hub/export.py). `mdlmpe_ds.models.hf_io.load_pretrained(OUT)` reads it back, and so does
 `transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)`.
 
-A LoRA checkpoint (`--lora`, mdlmpe_ds/lora/adapters.py) holds the adapters and the MDLMPE weights; the frozen
+A LoRA checkpoint (`--lora`, mdlmpe_ds/lora/) holds the adapters and the MDLMPE weights; the frozen
 base is read from the run's `model_name_or_path` (or, for a from-scratch preset, the run's
 `lora_base.safetensors`). `--merge` (the default) writes W + (alpha / r) B A into the one
 consolidated model above, the same format as a full fine-tune; `--adapter-only` writes a
@@ -53,6 +53,7 @@ def export(
     from mdlmpe_ds.hub.export import push_to_hub as upload
     from mdlmpe_ds.hub.export_target import check_target, staged
     from mdlmpe_ds.lora import adapters as lora
+    from mdlmpe_ds.lora import export as lora_export
     from mdlmpe_ds.models.config import ModelConfig
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.training import checkpoint as ckpt
@@ -71,7 +72,7 @@ def export(
         flag = "--adapter-only" if adapter_only else "--base-only"
         raise ValueError(f"{step_dir} is a full fine-tune checkpoint: {flag} needs a LoRA run")
     if spec is not None:
-        _, adapters, mdlmpe = lora.split_state(state)
+        _, adapters, mdlmpe = lora_export.split_state(state)
         if adapter_only:
             with staged(target) as stage:
                 _export_adapter(step_dir, saved, stage, target, adapters, mdlmpe, spec, DTYPES[dtype])
@@ -79,8 +80,8 @@ def export(
                 print(f"uploaded {target} -> {upload(target, push_to_hub)}")
             return target
     if spec is not None and base_only:  # the frozen base and the trained MDLMPE weights: the adapter's base
-        base = lora.read_base(step_dir, saved.run_config)
-        state = as_declared_shapes(lora.merge(base, {}, mdlmpe, spec), config)
+        base = lora_export.read_base(step_dir, saved.run_config)
+        state = as_declared_shapes(lora_export.merge(base, {}, mdlmpe, spec), config)
     else:  # the plain model's state (a LoRA run's adapters merged), shaped as the model declares
         state = consolidated_state(step_dir, saved.run_config, config, state)
     converted = {name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()}
@@ -105,16 +106,21 @@ def _export_adapter(step_dir, saved, out, target, adapters, mdlmpe, spec, dtype:
     import shutil
 
     from mdlmpe_ds.hub.export import TOKENIZER_FILES
-    from mdlmpe_ds.lora import adapters as lora
+    from mdlmpe_ds.lora import base as lora_base
+    from mdlmpe_ds.lora import export as lora_export
     from mdlmpe_ds.models.config import ModelConfig
 
-    lora.check_base_identity(step_dir, lora.base_source(step_dir, saved.run_config))  # the adapter's base
+    lora_base.check_base_identity(
+        step_dir, lora_base.base_source(step_dir, saved.run_config)
+    )  # the adapter's base
     # The base as the run names it (a hub id, or the user's directory; None for a preset's own base).
     base = saved.run_config["model"].get("model_name_or_path")
     revision = saved.run_config["model"].get("revision")
     family = ModelConfig.from_dict(saved.model_config, stored=True).family
     out = Path(out)
-    files = lora.write_adapter_dir(out, adapters, mdlmpe, spec, base, dtype, family=family, revision=revision)
+    files = lora_export.write_adapter_dir(
+        out, adapters, mdlmpe, spec, base, dtype, family=family, revision=revision
+    )
     tokenizer = _tokenizer_dir(saved.tokenizer)
     copied = []
     for name in TOKENIZER_FILES if tokenizer else ():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mdlmpe_ds.analysis import mechanism
-from mdlmpe_ds.analysis.mechanism import Geometry, MechanismResult
+from mdlmpe_ds.analysis.mechanism_setup import Geometry, MechanismResult
 from mdlmpe_ds.analysis.plots import DRAW, TensorBoardImages, new_figure, save_json, save_png
 
 FIGURES = ("topologies", "envelope", "transfer", "jacobian", "ratio_angle", "boundary")

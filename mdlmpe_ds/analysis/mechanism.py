@@ -6,143 +6,29 @@ Every quantity here comes from ``mdlmpe_ds.pe`` (``dense_weights``, ``sine_basis
 a figure shows the encoder the trainer runs, for any (L, W/L, rho, theta, d_h), not a re-derivation
 of the paper. No randomness, no checkpoint: each result is a pure function of its settings.
 
-Each builder returns a :class:`MechanismResult` whose ``arrays`` feed the plot and whose ``checks``
-evaluate the paper's statement about that figure (e.g. "the Jacobian never exceeds its bound").
+Each builder returns a :class:`MechanismResult` (mechanism_setup.py, with ``Geometry``) whose
+``arrays`` feed the plot and whose ``checks`` evaluate the paper's statement about that figure
+(e.g. "the Jacobian never exceeds its bound").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
+from mdlmpe_ds.analysis.mechanism_setup import (
+    JSON_MAX_MATRIX,
+    TOPOLOGIES,
+    Geometry,
+    MechanismResult,
+    availability_ratio,
+    check_pair,
+    check_target,
+    ones_row,
+)
 from mdlmpe_ds.pe.availability import dense_weights, gaussian_taps, sine_basis, token_summaries
-from mdlmpe_ds.pe.config import MDLMPEConfig
 from mdlmpe_ds.pe.phase import angularize
-
-TOPOLOGIES = ("local", "uniform", "edge-clustered", "periodic")
-# Largest matrix written into a figure's JSON (the L x L Jacobian at L = 512); larger ones are omitted.
-JSON_MAX_MATRIX = 512 * 512
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """One encoder geometry: W and sigma come from ``MDLMPEConfig`` (Eq. (2)), so a
-    figure uses exactly the window the trainer would use for L_ref = ``length``."""
-
-    length: int
-    window_ratio: float
-    rho: float
-    theta: float
-    head_dim: int
-    eps: float = 1e-6
-    clip_kappa: float = 1e-4
-
-    def config(self) -> MDLMPEConfig:
-        return MDLMPEConfig(
-            max_seq_len=self.length,
-            window_ratio=self.window_ratio,
-            rho=self.rho,
-            eps=self.eps,
-            clip_kappa=self.clip_kappa,
-        ).validate()
-
-    @property
-    def window(self) -> int:
-        return self.config().window
-
-    @property
-    def sigma(self) -> float:
-        return self.config().sigma
-
-    @property
-    def num_pairs(self) -> int:
-        return self.head_dim // 2
-
-    def validate(self) -> Geometry:
-        self.config()
-        if self.length < 2:
-            raise ValueError(f"analysis geometry: length={self.length} must be >= 2")
-        if self.head_dim < 4 or self.head_dim % 2:
-            raise ValueError(f"analysis geometry: head_dim={self.head_dim} must be even and >= 4")
-        if self.theta <= 0:
-            raise ValueError(f"analysis geometry: theta={self.theta} must be > 0")
-        return self
-
-    def describe(self) -> dict[str, Any]:
-        """Settings as written into each figure's JSON (inputs plus the derived W, sigma, F)."""
-        return {**asdict(self), "window": self.window, "sigma": self.sigma, "num_pairs": self.num_pairs}
-
-
-@dataclass
-class MechanismResult:
-    """What one figure shows: its settings, the arrays it plots, and the paper's claims as numbers."""
-
-    name: str
-    settings: dict[str, Any]
-    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
-    checks: dict[str, float | bool] = field(default_factory=dict)
-    # Arrays left out of the JSON (name -> why), e.g. an L x L matrix at a large L.
-    omitted: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self, digits: int = 7) -> dict[str, Any]:
-        """A JSON-ready dict; floats rounded to ``digits`` significant digits to keep files small."""
-
-        def plain(x: torch.Tensor) -> Any:
-            if not x.is_floating_point():  # bool and integer arrays as they are
-                return x.tolist()
-            return _round_nested(x.double().tolist(), digits)
-
-        return {
-            "figure": self.name,
-            "settings": self.settings,
-            "checks": {
-                k: (v if isinstance(v, bool) else float(f"{v:.{digits}g}")) for k, v in self.checks.items()
-            },
-            "arrays": {k: plain(v) for k, v in self.arrays.items() if k not in self.omitted},
-            "shapes": {k: list(v.shape) for k, v in self.arrays.items()},
-            "omitted": self.omitted,
-        }
-
-
-def _round_nested(values: Any, digits: int) -> Any:
-    """Round every float to ``digits`` significant digits; NaN and inf become None (valid JSON)."""
-    if isinstance(values, list):
-        return [_round_nested(v, digits) for v in values]
-    if not math.isfinite(values):
-        return None
-    return float(f"{values:.{digits}g}")
-
-
-def _ones(length: int) -> torch.Tensor:
-    return torch.ones(1, length, dtype=torch.float32)
-
-
-def _ratio(b: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """r_{i,f} = A_{i,f} / D_{i,f} from the product's banded ``token_summaries`` (all valid). [B, L, F]."""
-    a = torch.ones_like(b)
-    taps = gaussian_taps(geometry.window, geometry.sigma)
-    coordinate = sine_basis(geometry.length, geometry.head_dim, geometry.theta)
-    A, D = token_summaries(b, a, coordinate, taps, geometry.eps)
-    return A / D
-
-
-def _check_target(geometry: Geometry, target: int | None) -> int:
-    target = geometry.length // 2 if target is None else target
-    if not 0 <= target < geometry.length:
-        raise ValueError(f"analysis: target={target} outside [0, {geometry.length})")
-    return target
-
-
-def _check_pair(geometry: Geometry, pair: int) -> int:
-    if not 0 <= pair < geometry.num_pairs:
-        raise ValueError(
-            f"analysis: pair={pair} outside [0, F={geometry.num_pairs}) for head_dim={geometry.head_dim}"
-        )
-    return pair
-
 
 # --- Figure 4 ---------------------------------------------------------------
 
@@ -184,10 +70,10 @@ def topology_masks(length: int, density: float, target: int) -> dict[str, torch.
 def topologies(geometry: Geometry, density: float = 0.25, target: int | None = None) -> MechanismResult:
     """Equal-density masks give distinct r_{i,f} vectors at one target (Figure 4)."""
     geometry.validate()
-    target = _check_target(geometry, target)
+    target = check_target(geometry, target)
     masks = topology_masks(geometry.length, density, target)
     b = torch.stack([masks[name] for name in TOPOLOGIES])  # [4, L]
-    r = _ratio(b, geometry)  # [4, L, F]
+    r = availability_ratio(b, geometry)  # [4, L, F]
     vectors = r[:, target, :]  # [4, F]
     lo, hi = max(0, target - geometry.window), target + geometry.window + 1
     gaps = [
@@ -222,7 +108,9 @@ def source_contributions(geometry: Geometry, target: int) -> tuple[torch.Tensor,
     Returns alpha [L, F] and support [L] bool. w from ``dense_weights`` (all valid), c from
     ``sine_basis``.
     """
-    w = dense_weights(_ones(geometry.length), geometry.window, geometry.sigma, geometry.eps)[0, target]  # [L]
+    w = dense_weights(ones_row(geometry.length), geometry.window, geometry.sigma, geometry.eps)[
+        0, target
+    ]  # [L]
     c = sine_basis(geometry.length, geometry.head_dim, geometry.theta).double()  # [L, F]
     weighted = w.double().unsqueeze(-1) * c  # [L, F]
     alpha = weighted / weighted.sum(0, keepdim=True)
@@ -237,8 +125,8 @@ def envelope(geometry: Geometry, pair: int = 12, target: int | None = None) -> M
     r = eta is the uniform-placement expectation.
     """
     geometry.validate()
-    target = _check_target(geometry, target)
-    pair = _check_pair(geometry, pair)
+    target = check_target(geometry, target)
+    pair = check_pair(geometry, pair)
     alpha, support = source_contributions(geometry, target)
     values = alpha[support, pair]  # [N_i]
     descending = values.sort(descending=True).values
@@ -255,7 +143,7 @@ def envelope(geometry: Geometry, pair: int = 12, target: int | None = None) -> M
     b = torch.zeros(2, geometry.length)
     b[0, positions[order[:k_mid]]] = 1.0
     b[1, positions[order.flip(0)[:k_mid]]] = 1.0
-    product_r = _ratio(b, geometry)[:, target, pair].double()
+    product_r = availability_ratio(b, geometry)[:, target, pair].double()
     return MechanismResult(
         name="envelope",
         settings={**geometry.describe(), "pair": pair, "target": target, "support_size": count},
@@ -288,13 +176,13 @@ def transfer(geometry: Geometry, pair: int = 12, target: int | None = None) -> M
     beyond W is visible. Surface [F, offsets].
     """
     geometry.validate()
-    target = _check_target(geometry, target)
-    pair = _check_pair(geometry, pair)
+    target = check_target(geometry, target)
+    pair = check_pair(geometry, pair)
     length, window = geometry.length, geometry.window
-    w = dense_weights(_ones(length), window, geometry.sigma, geometry.eps)[0, target]  # [L]
+    w = dense_weights(ones_row(length), window, geometry.sigma, geometry.eps)[0, target]  # [L]
     c = sine_basis(length, geometry.head_dim, geometry.theta)  # [L, F]
     taps = gaussian_taps(window, geometry.sigma)
-    _, D = token_summaries(_ones(length), _ones(length), c, taps, geometry.eps)  # [1, L, F]
+    _, D = token_summaries(ones_row(length), ones_row(length), c, taps, geometry.eps)  # [1, L, F]
     alpha = (w.unsqueeze(-1) * c / D[0, target]).T  # [F, L]
     margin = window + 2
     lo, hi = max(0, target - margin), min(length, target + margin + 1)
@@ -324,7 +212,7 @@ def jacobian_row(geometry: Geometry, target: int) -> torch.Tensor:
     taps = gaussian_taps(geometry.window, geometry.sigma)
 
     def u_target(b: torch.Tensor) -> torch.Tensor:
-        A, _ = token_summaries(b.unsqueeze(0), _ones(length), c, taps, geometry.eps)
+        A, _ = token_summaries(b.unsqueeze(0), ones_row(length), c, taps, geometry.eps)
         return A[0, target]  # [F]
 
     jac = torch.autograd.functional.jacobian(u_target, torch.zeros(length))  # [F, L]
@@ -339,9 +227,9 @@ def jacobian(geometry: Geometry, target: int | None = None) -> MechanismResult:
     autograd through ``token_summaries`` (b requires grad) and the two are compared in ``checks``.
     """
     geometry.validate()
-    target = _check_target(geometry, target)
+    target = check_target(geometry, target)
     length, num_pairs = geometry.length, geometry.num_pairs
-    w = dense_weights(_ones(length), geometry.window, geometry.sigma, geometry.eps)[0]  # [L, L]
+    w = dense_weights(ones_row(length), geometry.window, geometry.sigma, geometry.eps)[0]  # [L, L]
     c_norm = sine_basis(length, geometry.head_dim, geometry.theta).norm(dim=-1)  # [L]
     matrix = w * c_norm.unsqueeze(0)  # [L(i), L(t)]
     bound = w * math.sqrt(num_pairs)
@@ -443,14 +331,14 @@ def boundary(geometry: Geometry) -> MechanismResult:
     """
     geometry.validate()
     length = geometry.length
-    ones = _ones(length)
+    ones = ones_row(length)
     taps = gaussian_taps(geometry.window, geometry.sigma)
     raw_mass = _raw_row_mass(length, taps)  # [L]
     rows = (0, length // 2, length - 1)
     w = dense_weights(ones, geometry.window, geometry.sigma, geometry.eps)[0]  # [L, L]
     kernels = w[list(rows)]  # [3, L]
-    r_masked = _ratio(torch.zeros(1, length), geometry)[0]  # [L, F]
-    r_revealed = _ratio(ones, geometry)[0]
+    r_masked = availability_ratio(torch.zeros(1, length), geometry)[0]  # [L, F]
+    r_revealed = availability_ratio(ones, geometry)[0]
     return MechanismResult(
         name="boundary",
         settings={**geometry.describe(), "kernel_rows": list(rows)},

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mdlmpe_ds.analysis.mechanism import MechanismResult
+from mdlmpe_ds.analysis.mechanism_setup import MechanismResult
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
 

@@ -17,7 +17,8 @@ import torch
 from mdlmpe_ds.hub.resolve import looks_like_hub_id, resolve
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.device import check_device
-from mdlmpe_ds.models.hf_io import CONFIG_NAME, load_pretrained
+from mdlmpe_ds.models.hf_config import CONFIG_NAME
+from mdlmpe_ds.models.hf_io import load_pretrained
 from mdlmpe_ds.models.transformer import DiffusionLM
 from mdlmpe_ds.training import checkpoint as ckpt
 from mdlmpe_ds.training.consolidate import checkpoint_state, consolidated_state

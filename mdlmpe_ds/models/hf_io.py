@@ -1,10 +1,11 @@
-"""Hugging Face checkpoint directories: read/write ``config.json`` and (sharded) safetensors.
+"""Hugging Face checkpoint directories: (sharded) safetensors read into a model and written from one.
 
 The layout is the public checkpoints' own (docs/models.md §1-2): the family's ``config.json`` keys,
 ``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (or one
 ``model.safetensors``), and the exact upstream parameter names (``names.py``). Saving adds the
 MDLMPE / absolute-position keys when the model has them, and a ``mdlmpe_ds`` block in config.json
-with the project-only settings (position encoding, MDLMPE config).
+with the project-only settings (position encoding, MDLMPE config); the config.json side is in
+hf_config.py.
 
 Loading is strict: every problem (missing shard file, missing or unexpected key, wrong shape,
 config of the other family) is found before any weight is copied and reported with its name.
@@ -28,209 +29,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mdlmpe_ds.attention.impl import AttentionImpl
-from mdlmpe_ds.compat import read_stored_mdlmpe
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.device import check_device
+from mdlmpe_ds.models.hf_config import CONFIG_NAME, CheckpointError, hf_config_dict, read_hf_config, read_json
 from mdlmpe_ds.models.names import from_checkpoint_name, to_checkpoint_name
 from mdlmpe_ds.models.transformer import DiffusionLM, _is_mdlmpe_name
-from mdlmpe_ds.pe.config import MDLMPEConfig
 
-CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-PROJECT_KEY = "mdlmpe_ds"  # config.json block with the settings upstream configs do not have
-
 GatherFactory = Callable[..., contextlib.AbstractContextManager]
-
-# Upstream options this implementation reproduces only at these values (docs/models.md §1).
-_LLADA_REQUIRED = {
-    "block_type": "llama",
-    "activation_type": "silu",
-    "layer_norm_type": "rms",
-    "include_bias": False,
-    "include_qkv_bias": False,
-    "rope": True,
-    "alibi": False,
-    "attention_layer_norm": False,
-    "input_emb_norm": False,
-    "scale_logits": False,
-    "block_group_size": 1,
-    "bias_for_layer_norm": False,
-}
-_DREAM_REQUIRED = {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not match the model; the message names every problem."""
-
-
-# ---------------------------------------------------------------------------------------- config
-def detect_family(raw: Mapping[str, Any], where: str = CONFIG_NAME) -> str:
-    """'llada' for LLaDA's OLMo-style keys (``d_model``, ``n_heads``...), 'dream' for Qwen2 keys."""
-    model_type = str(raw.get("model_type", "")).lower()
-    if model_type == "llada" or "d_model" in raw:
-        return "llada"
-    if model_type in ("dream", "qwen2") or "num_hidden_layers" in raw:
-        return "dream"
-    raise CheckpointError(
-        f"{where}: cannot tell the model family (model_type={raw.get('model_type')!r}); expected LLaDA keys "
-        "(d_model, n_heads, ...) or Dream/Qwen2 keys (hidden_size, num_hidden_layers, ...)"
-    )
-
-
-def _require(raw: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in raw:
-        raise CheckpointError(f"{where}: required key {key!r} is missing")
-    return raw[key]
-
-
-def config_from_hf_dict(raw: Mapping[str, Any], where: str = CONFIG_NAME, **overrides: Any) -> ModelConfig:
-    """ModelConfig from a parsed config.json; ``overrides`` win (e.g. the run's ``max_seq_len``)."""
-    family = detect_family(raw, where)
-    if "family" in overrides and overrides["family"] != family:
-        raise CheckpointError(
-            f"{where}: describes a {family} model (model_type={raw.get('model_type')!r}), "
-            f"but a {overrides['family']} model was requested"
-        )
-    required = _LLADA_REQUIRED if family == "llada" else _DREAM_REQUIRED
-    for key, value in required.items():
-        if key in raw and raw[key] != value:
-            raise CheckpointError(f"{where}: {key}={raw[key]!r} is not supported (only {value!r})")
-    if family == "llada":
-        d_model = _require(raw, "d_model", where)
-        n_heads = _require(raw, "n_heads", where)
-        mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4) * d_model)
-        values: dict[str, Any] = {
-            "family": "llada",
-            # LLaDA's embedding table has ``embedding_size`` rows when set (126464 for LLaDA-8B).
-            "vocab_size": raw.get("embedding_size") or _require(raw, "vocab_size", where),
-            "hidden_size": d_model,
-            "num_layers": _require(raw, "n_layers", where),
-            "num_heads": n_heads,
-            "num_kv_heads": raw.get("n_kv_heads") or n_heads,
-            "intermediate_size": mlp,
-            "rms_norm_eps": raw.get("rms_norm_eps", 1e-5),
-            "rope_theta": raw.get("rope_theta", 10000.0),
-            "max_seq_len": raw.get("max_sequence_length", 4096),
-            "tie_embeddings": bool(raw.get("weight_tying", False)),
-            "mask_token_id": raw.get("mask_token_id", 126336),
-            "eos_token_id": raw.get("eos_token_id", 126081),
-            "pad_token_id": raw.get("pad_token_id", 126081),
-        }
-    else:
-        heads = _require(raw, "num_attention_heads", where)
-        values = {
-            "family": "dream",
-            "vocab_size": _require(raw, "vocab_size", where),
-            "hidden_size": _require(raw, "hidden_size", where),
-            "num_layers": _require(raw, "num_hidden_layers", where),
-            "num_heads": heads,
-            "num_kv_heads": raw.get("num_key_value_heads") or heads,
-            "intermediate_size": _require(raw, "intermediate_size", where),
-            "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
-            "rope_theta": raw.get("rope_theta", 10000.0),
-            "max_seq_len": raw.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-            "mask_token_id": raw.get("mask_token_id", 151666),
-            "eos_token_id": raw.get("eos_token_id", 151643),
-            "pad_token_id": raw.get("pad_token_id", 151643),
-        }
-    project = dict(raw.get(PROJECT_KEY) or {})
-    mdlmpe = project.pop("mdlmpe", None)
-    values.update(project)
-    values.update(overrides)
-    # An older export's block may hold attention-implementation keys (a run-time choice now): dropped.
-    mdlmpe_values = read_stored_mdlmpe(dict(mdlmpe or {}))
-    if isinstance(values.get("mdlmpe"), MDLMPEConfig):
-        mdlmpe_cfg = values.pop("mdlmpe")
-    else:
-        mdlmpe_values.update(values.pop("mdlmpe", None) or {})
-        mdlmpe_values["max_seq_len"] = values["max_seq_len"]  # L_ref follows the model (docs/method.md
-        # "Window")
-        mdlmpe_cfg = MDLMPEConfig.from_dict(mdlmpe_values)
-    try:
-        return ModelConfig(**values, mdlmpe=mdlmpe_cfg).validate()
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{where}: {err}") from err
-
-
-def read_hf_config(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
-    """ModelConfig of a checkpoint directory (family detected from its config.json)."""
-    file = Path(path) / CONFIG_NAME
-    if not file.is_file():
-        raise CheckpointError(f"{file}: no config.json in the checkpoint directory")
-    return config_from_hf_dict(_read_json(file), str(file), **overrides)
-
-
-def hf_config_dict(config: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The family's own config.json for ``config`` (+ the ``mdlmpe_ds`` block, + ``extra`` keys)."""
-    if config.family == "llada":
-        raw: dict[str, Any] = {
-            "model_type": "llada",
-            "architectures": ["LLaDAModelLM"],
-            "d_model": config.hidden_size,
-            "n_layers": config.num_layers,
-            "n_heads": config.num_heads,
-            "n_kv_heads": config.num_kv_heads,
-            "mlp_hidden_size": config.intermediate_size,
-            "mlp_ratio": 4,
-            "vocab_size": config.vocab_size,
-            "embedding_size": config.vocab_size,
-            "weight_tying": config.tie_embeddings,
-            "rms_norm_eps": config.rms_norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_full_precision": True,
-            "max_sequence_length": config.max_seq_len,
-            "layer_norm_with_affine": True,
-            "attention_dropout": 0.0,
-            "residual_dropout": 0.0,
-            "embedding_dropout": 0.0,
-            "flash_attention": False,
-            "init_std": config.init_std,
-            "use_cache": False,
-            "mask_token_id": config.mask_token_id,
-            "eos_token_id": config.eos_token_id,
-            "pad_token_id": config.pad_token_id,
-            **_LLADA_REQUIRED,
-        }
-    else:
-        raw = {
-            "model_type": "Dream",
-            "architectures": ["DreamModel"],
-            "hidden_size": config.hidden_size,
-            "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads,
-            "intermediate_size": config.intermediate_size,
-            "vocab_size": config.vocab_size,
-            "rms_norm_eps": config.rms_norm_eps,
-            "rope_theta": config.rope_theta,
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "attention_dropout": 0.0,
-            "initializer_range": config.init_std,
-            "use_cache": False,
-            "mask_token_id": config.mask_token_id,
-            "eos_token_id": config.eos_token_id,
-            "pad_token_id": config.pad_token_id,
-            **_DREAM_REQUIRED,
-        }
-    raw[PROJECT_KEY] = {
-        "position_encoding": config.position_encoding,
-        "init_std": config.init_std,
-        "mdlmpe": config.mdlmpe.to_dict(),
-    }
-    raw.update(extra or {})
-    return raw
-
-
-def _read_json(file: Path) -> Any:
-    """A parsed JSON file of the checkpoint; a truncated or corrupt one is an error naming it."""
-    try:
-        with open(file, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON ({err}); is the file truncated?") from err
 
 
 # ----------------------------------------------------------------------------------- weights
@@ -254,7 +61,7 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file holding it (index or single file); files must exist."""
     index = path / INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map' in the index")
         missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})

@@ -21,8 +21,9 @@ from mdlmpe_ds.config.run import RunConfig
 from mdlmpe_ds.distributed import collectives, process_group
 from mdlmpe_ds.distributed import engine as eng
 from mdlmpe_ds.hub.resolve import local_run
-from mdlmpe_ds.lora import adapters as lora
-from mdlmpe_ds.models.hf_io import load_weights_into, read_hf_config
+from mdlmpe_ds.lora import attach as lora_attach
+from mdlmpe_ds.models.hf_config import read_hf_config
+from mdlmpe_ds.models.hf_io import load_weights_into
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 from mdlmpe_ds.training import checkpoint as ckpt
@@ -282,14 +283,14 @@ def build_engine(
     plan = describe_plan(
         as_written or run, model_config, process_group.world_size(), total, n_examples, params
     )
-    plan += lora.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
+    plan += lora_attach.attach(model, run, ds_config, resume_from, params, meta=dry_run)  # LoRA runs only
 
     # A CPU machine plans for GPUs when told bf16 (the documented way); fp32 there is a CPU run.
     cpu_ranks = process_group.on_cpu() and not ds_config.get("bf16", {}).get("enabled")
     memory = plan_memory(
         model_config, ds_config, process_group.world_size(), run.train.micro_batch_size, run.data.max_len,
         impl=run.attention, recompute=run.recompute(), device="cpu" if cpu_ranks else "cuda",
-        **lora.memory_plan_kwargs(params),
+        **lora_attach.memory_plan_kwargs(params),
     )  # fmt: skip
     plan += "\n" + memory.format()
     if dry_run:

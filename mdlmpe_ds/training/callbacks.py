@@ -6,7 +6,7 @@ Each is one concern the loop (trainer.py) used to hard-code, now attached to its
 - ``HeadSchedule``: the MDLMPE active KV heads per optimizer update (paper Eq. (27)), all heads at
   the end (docs/method.md "Head schedule");
 - ``MDLMPEStats``: gamma and |delta| statistics on log steps;
-- ``LoRACheckpoints``: a LoRA run's checkpoints hold the adapters, not the frozen base (lora/adapters.py);
+- ``LoRACheckpoints``: a LoRA run's checkpoints hold the adapters, not the frozen base (lora/checkpoints.py);
 - ``NonFinitePolicy``: a non-finite update is never saved; too many in a row end the run;
 - ``StopHandling``: a signal or a lost launcher stops the run after a saved update (lifecycle.py);
 - ``TestFaults``: the injected faults of the fault tests (faults.py); production runs have none.
@@ -28,7 +28,7 @@ import torch
 from mdlmpe_ds import stop_request
 from mdlmpe_ds.config.run import RunConfig
 from mdlmpe_ds.distributed import engine as eng
-from mdlmpe_ds.lora import adapters as lora
+from mdlmpe_ds.lora import checkpoints as lora_checkpoints
 from mdlmpe_ds.pe.encoder import MDLMPEEncoder
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
 from mdlmpe_ds.pe.phase import PhaseMLP, phase_residual
@@ -136,16 +136,16 @@ class LoRACheckpoints(Callback):
         self.run = run
 
     def save_kwargs(self) -> dict:
-        return lora.checkpoint_save_kwargs(self.run)
+        return lora_checkpoints.checkpoint_save_kwargs(self.run)
 
     def load_kwargs(self) -> dict:
-        return lora.checkpoint_load_kwargs(self.run)
+        return lora_checkpoints.checkpoint_load_kwargs(self.run)
 
     def on_save_meta(self, staging: Path, module: torch.nn.Module) -> None:
-        lora.write_checkpoint_meta_of(staging, self.run, module)
+        lora_checkpoints.write_checkpoint_meta_of(staging, self.run, module)
 
     def before_resume(self, path: Path, module: torch.nn.Module) -> None:
-        lora.check_resume(path, self.run, module)
+        lora_checkpoints.check_resume(path, self.run, module)
 
 
 class NonFinitePolicy(Callback):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mdlmpe_ds.distributed import engine
-from mdlmpe_ds.lora import adapters as lora
+from mdlmpe_ds.lora import export as lora_export
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.transformer import DiffusionLM
 from mdlmpe_ds.training import weights_only
@@ -47,6 +47,6 @@ def consolidated_state(
 ) -> dict[str, torch.Tensor]:
     """The plain model's fp32 state dict of the checkpoint in ``step_dir`` (``state``: its saved
     state when already read): a LoRA run's adapters merged onto its frozen base with the trained
-    MDLMPE weights (lora.merged_state), then every tensor in its declared shape."""
+    MDLMPE weights (lora_export.merged_state), then every tensor in its declared shape."""
     state = checkpoint_state(step_dir) if state is None else state
-    return as_declared_shapes(lora.merged_state(step_dir, run_config, state), config)
+    return as_declared_shapes(lora_export.merged_state(step_dir, run_config, state), config)

@@ -304,7 +304,7 @@ def config_only_hub(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     from mdlmpe_ds.models import preset
-    from mdlmpe_ds.models.hf_io import hf_config_dict
+    from mdlmpe_ds.models.hf_config import hf_config_dict
 
     cache = tmp_path / "hf_cache"
     for repo_id, name in HUB_MODELS.items():

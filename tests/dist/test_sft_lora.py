@@ -47,7 +47,8 @@ def _same_history(a: dict[int, dict], b: dict[int, dict], steps) -> None:
 def test_only_adapters_and_mdlmpe_change(lora_straight):
     from safetensors.torch import load_file
 
-    from mdlmpe_ds.lora.adapters import BASE_FILE, base_name, is_adapter_name, is_mdlmpe_name
+    from mdlmpe_ds.lora.adapters import base_name, is_adapter_name, is_mdlmpe_name
+    from mdlmpe_ds.lora.spec import BASE_FILE
 
     state = torch.load(lora_straight / "probe.pt", weights_only=False)["state"]  # after 8 updates
     base = load_file(str(lora_straight / BASE_FILE))  # the backbone as built, before any update
@@ -129,7 +130,7 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from mdlmpe_ds.lora.adapters import BASE_FILE, MDLMPE_FILE
+    from mdlmpe_ds.lora.spec import BASE_FILE, MDLMPE_FILE
     from mdlmpe_ds.models.hf_io import load_pretrained
     from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -168,7 +169,7 @@ def test_lora_on_a_pretrained_directory_resumes_and_exports_from_the_base_name(
     copied into the run; the resumed half and the export read it again from model_name_or_path, and
     the merged export (and the evaluation loader on the run itself) give the engine's logits."""
     from mdlmpe_ds.evaluation.loading import load_model
-    from mdlmpe_ds.lora.adapters import BASE_FILE
+    from mdlmpe_ds.lora.spec import BASE_FILE
     from mdlmpe_ds.models.hf_io import load_pretrained
 
     export = launch_module("export")
@@ -202,8 +203,9 @@ def test_a_copied_run_refuses_a_base_path_reused_by_another_run(lora_straight, s
     resume trained on the other base: different losses)."""
     from safetensors.torch import load_file, save_file
 
+    from mdlmpe_ds.data.fingerprint import file_sha256
     from mdlmpe_ds.evaluation.loading import load_model
-    from mdlmpe_ds.lora.adapters import BASE_FILE, file_sha256
+    from mdlmpe_ds.lora.spec import BASE_FILE
 
     step = lora_straight / "checkpoints" / "step_000004"
     recorded = lora_straight / BASE_FILE

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM
-from mdlmpe_ds.models.hf_io import load_weights_into, read_hf_config
+from mdlmpe_ds.models.hf_config import read_hf_config
+from mdlmpe_ds.models.hf_io import load_weights_into
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,

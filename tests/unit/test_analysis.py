@@ -21,7 +21,7 @@ from PIL import Image
 
 from mdlmpe_ds.analysis import mechanism
 from mdlmpe_ds.analysis.diagnostics import denoise_trajectory, pair_columns, probe_input, sampler_trajectory
-from mdlmpe_ds.analysis.mechanism import Geometry
+from mdlmpe_ds.analysis.mechanism_setup import Geometry
 from mdlmpe_ds.pe.availability import gaussian_taps, sine_basis, token_summaries
 
 _SPEC = importlib.util.spec_from_file_location(

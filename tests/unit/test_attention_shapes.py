@@ -427,14 +427,15 @@ def test_phase_launches_cover_the_pair_plane_once(length, launch, budget_rows):
     interpreter can afford."""
     pytest.importorskip("triton")
     from mdlmpe_ds.attention.triton import backend
+    from mdlmpe_ds.attention.triton import plan as triton_plan
 
     dtype = "bfloat16" if launch != "default" else "float32"
     case = Case(length, pads=(0, 0), dtype=dtype, launch=launch, budget_rows=budget_rows)
     kwargs = _launch_kwargs(case)
     q = torch.zeros(2, 2, length, case.head_dim, dtype=getattr(torch, case.dtype))
     config = backend.resolve_launch(q, kwargs.get("block_size"), phase_tile=kwargs.get("phase_tile"))
-    budget = _budget_bytes(case, kwargs) or backend.PAIR_BUFFER_BYTES
-    plan = backend._Plan(q, q, torch.zeros(16, case.head_dim // 2), config, 0.25, budget)
+    budget = _budget_bytes(case, kwargs) or triton_plan.PAIR_BUFFER_BYTES
+    plan = triton_plan.Plan(q, q, torch.zeros(16, case.head_dim // 2), config, 0.25, budget)
     tile, padded = plan.phase_tile, plan.padded
     tiles = padded // tile
     written = torch.zeros(2, tiles, tiles, dtype=torch.int32)  # [sequence, row tile, key tile]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mdlmpe_ds.attention import blocked, blocked_math
+from mdlmpe_ds.attention import blocked, blocked_coefficients, blocked_math, blocked_scores
 from mdlmpe_ds.attention.blocked import blocked_attention
 from mdlmpe_ds.attention.common import repeat_kv, rope_attention
 from mdlmpe_ds.attention.reference import reference_attention
@@ -118,7 +118,7 @@ def layout(request, monkeypatch):
     per-head-sums layout), uncompiled: their maths checked in milliseconds."""
     if request.param == "summed":
         monkeypatch.setattr(blocked, "EAGER", blocked_math.SUMMED)
-        monkeypatch.setattr(blocked_math, "KEY_CHUNK", 4)  # several key chunks in the k gradient
+        monkeypatch.setattr(blocked_scores, "KEY_CHUNK", 4)  # several key chunks in the k gradient
     return request.param
 
 
@@ -363,10 +363,10 @@ def test_region_one_vjp_matches_autograd():
     gen = torch.Generator().manual_seed(41)
     region1 = _block_inputs(gen, kv_heads=1, group=1, length=4, pad=False)[5:13]
     weights = region1[4:]
-    alpha, beta, asin_x, u, z = blocked_math.coefficients_for_backward(*region1, TAU_MAX, KAPPA)
+    alpha, beta, asin_x, u, z = blocked_coefficients.coefficients_for_backward(*region1, TAU_MAX, KAPPA)
     grad_alpha, grad_beta = torch.randn_like(alpha), torch.randn_like(beta)
     want = torch.autograd.grad((alpha, beta), weights, (grad_alpha, grad_beta))
-    got = blocked_math.coefficients_vjp(asin_x, u, z, weights[2], TAU_MAX, grad_alpha, grad_beta)
+    got = blocked_coefficients.coefficients_vjp(asin_x, u, z, weights[2], TAU_MAX, grad_alpha, grad_beta)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 

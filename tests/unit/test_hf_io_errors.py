@@ -14,7 +14,8 @@ import torch
 
 from mdlmpe_ds.evaluation.loading import load_model
 from mdlmpe_ds.models import DiffusionLM, preset
-from mdlmpe_ds.models.hf_io import INDEX_NAME, CheckpointError, load_pretrained, save_pretrained
+from mdlmpe_ds.models.hf_config import CheckpointError
+from mdlmpe_ds.models.hf_io import INDEX_NAME, load_pretrained, save_pretrained
 
 
 def _save(path, sharded: bool) -> list:

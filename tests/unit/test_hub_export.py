@@ -15,7 +15,7 @@ from mdlmpe_ds.data.chat_templates import render_chatml, render_llada, template_
 from mdlmpe_ds.hub.export import finish_export
 from mdlmpe_ds.hub.templates import CHATML_JINJA, LLADA_JINJA
 from mdlmpe_ds.models import DiffusionLM, load_pretrained, preset, save_pretrained
-from mdlmpe_ds.models.hf_io import hf_config_dict
+from mdlmpe_ds.models.hf_config import hf_config_dict
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief. "},

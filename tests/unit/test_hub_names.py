@@ -99,7 +99,7 @@ def test_sft_dry_run_takes_hub_ids_for_model_and_tokenizer(hub_cache, tiny_hub_m
 
 def _config_only(root: Path, family: str = "llada") -> Path:
     """A model directory holding config.json alone (no weights, no tokenizer): what a dry run reads."""
-    from mdlmpe_ds.models.hf_io import hf_config_dict
+    from mdlmpe_ds.models.hf_config import hf_config_dict
 
     root.mkdir(parents=True, exist_ok=True)
     config = preset(f"{family}-8b") if family == "llada" else preset("dream-7b")

@@ -31,7 +31,9 @@ LEVELS: dict[str, int] = {
     "training.checkpointer": 68,  # the save and resume protocol
     "training.callback": 66,  # the hook points of the loop (the base class the callbacks implement)
     "training.consolidate": 66,  # a checkpoint's weights as the plain model's (export and evaluation read it)
-    "lora.adapters": 65,  # LoRA injection, checkpoints and export (over engine/checkpoint)
+    "lora.attach": 65,  # a LoRA run's model made ready: base kept, adapters injected (over the engine)
+    "lora.export": 64,  # merge and peft adapter directories (reads the base)
+    "lora.checkpoints": 64,  # lora.json and the resume check (the checkpoint callback's LoRA part)
     "lora.base": 63,  # where a LoRA run's frozen base is found again and whether it is the same one
     "training.tracking": 62,
     "training.lifecycle": 62,
@@ -40,6 +42,9 @@ LEVELS: dict[str, int] = {
     "distributed.engine": 60,  # the only module importing DeepSpeed
     "training.checkpoint": 60,  # the checkpoint format: layout, manifest, verification, metadata
     "training.memory_plan": 58,
+    "training.activation_bytes": 57,  # the plan's per-layer activation terms, read off the code
+    "training.memory_measure": 57,  # one real layer measured on the CPU (the terms' ground truth)
+    "lora.adapters": 59,  # LoRA injection through peft, names, counts, the initial draw (over models)
     "training.weights_only": 58,  # the model-only save of a stopped run (trainer writes, export reads)
     "training.resume_changes": 57,  # what a resume may change (over config's key names)
     "config.recipes": 57,  # the launchers' complete configs (over cli's typed mappings)
@@ -338,7 +343,7 @@ def test_models_import_no_process_group_code():
 def test_the_trainer_imports_neither_lora_nor_position_encodings():
     """LoRA's checkpoint policy and MDLMPE's head schedule and statistics are callbacks (callbacks.py),
     handed to the loop by the run."""
-    banned = ("mdlmpe_ds.lora.adapters", "mdlmpe_ds.lora.base", "mdlmpe_ds.lora.spec", "mdlmpe_ds.pe")
+    banned = ("mdlmpe_ds.lora", "mdlmpe_ds.pe")
     assert _offending("training/trainer", banned) == []
 
 

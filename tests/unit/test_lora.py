@@ -12,7 +12,11 @@ import torch
 
 from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.lora import adapters as lora
-from mdlmpe_ds.lora.adapters import LoraSpec
+from mdlmpe_ds.lora import base as lora_base
+from mdlmpe_ds.lora import checkpoints as lora_checkpoints
+from mdlmpe_ds.lora import export as lora_export
+from mdlmpe_ds.lora import spec as lora_spec
+from mdlmpe_ds.lora.spec import LoraSpec
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 
@@ -42,16 +46,16 @@ def _randomize(model: torch.nn.Module, seed: int = 1) -> None:
 
 # ------------------------------------------------------------------------------------ the spec
 def test_parse_full_form_defaults_and_round_trip():
-    spec = lora.parse("r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down")
+    spec = lora_spec.parse("r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down")
     assert spec == LoraSpec(16, 32.0, 0.05, ALL)
     assert spec.scale == 2.0
-    assert lora.parse(spec.text()) == spec
-    assert lora.parse("r=8") == LoraSpec(8, 32.0, 0.05, ALL)
-    assert lora.parse("targets=all,r=4").targets == ALL
+    assert lora_spec.parse(spec.text()) == spec
+    assert lora_spec.parse("r=8") == LoraSpec(8, 32.0, 0.05, ALL)
+    assert lora_spec.parse("targets=all,r=4").targets == ALL
     # order and spelling do not matter: canonical order, LLaDA's upstream names and the module names
-    assert lora.parse("targets=down,q").targets == ("q", "down")
-    assert lora.parse("targets=attn_out,ff_proj,ff_out,up_proj").targets == ("o", "gate", "up", "down")
-    assert lora.parse("targets=q_proj,o_proj,gate_proj").targets == ("q", "o", "gate")
+    assert lora_spec.parse("targets=down,q").targets == ("q", "down")
+    assert lora_spec.parse("targets=attn_out,ff_proj,ff_out,up_proj").targets == ("o", "gate", "up", "down")
+    assert lora_spec.parse("targets=q_proj,o_proj,gate_proj").targets == ("q", "o", "gate")
 
 
 @pytest.mark.parametrize(
@@ -69,7 +73,7 @@ def test_parse_full_form_defaults_and_round_trip():
 )
 def test_parse_errors_name_the_bad_part(text, named):
     with pytest.raises(ValueError, match="--lora") as err:
-        lora.parse(text)
+        lora_spec.parse(text)
     assert named in str(err.value)
 
 
@@ -96,7 +100,7 @@ def test_only_the_target_projections_are_wrapped_and_mdlmpe_trains_in_full(famil
     before = {n: p.numel() for n, p in model.named_parameters()}
     mdlmpe = set(model.mdlmpe_parameter_names())
     assert mdlmpe  # phase MLPs, W_p, b_p, gate
-    lora.inject(model, lora.parse("r=2,targets=q,v,down"))
+    lora.inject(model, lora_spec.parse("r=2,targets=q,v,down"))
     wrapped = sorted(n for n, m in model.named_modules() if hasattr(m, "lora_A"))
     layers = model.config.num_layers
     assert wrapped == sorted(
@@ -113,7 +117,9 @@ def test_only_the_target_projections_are_wrapped_and_mdlmpe_trains_in_full(famil
     assert counts["frozen"] == sum(before[n] for n in frozen)
     assert counts["mdlmpe"] == sum(before[n] for n in mdlmpe)
     assert counts["trainable"] == counts["adapter"] + counts["mdlmpe"]
-    assert counts["adapter"] == lora.adapter_parameter_count(model.config, lora.parse("r=2,targets=q,v,down"))
+    assert counts["adapter"] == lora.adapter_parameter_count(
+        model.config, lora_spec.parse("r=2,targets=q,v,down")
+    )
 
 
 def test_reset_adapters_is_deterministic_and_starts_at_the_base():
@@ -121,7 +127,7 @@ def test_reset_adapters_is_deterministic_and_starts_at_the_base():
     for _ in range(2):
         model = _tiny()
         plain = _tiny()
-        lora.inject(model, lora.parse("r=4"))
+        lora.inject(model, lora_spec.parse("r=4"))
         lora.reset_adapters(model, seed=7)
         a = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_A." in n}
         assert all(float(t.abs().sum()) > 0 for t in a.values())
@@ -143,10 +149,10 @@ def _trained(spec: LoraSpec, family: str = "llada") -> tuple[DiffusionLM, dict[s
 
 
 def test_merge_is_w_plus_scaled_ba_and_gives_the_adapter_models_logits():
-    spec = lora.parse("r=4,alpha=12,dropout=0.1")
+    spec = lora_spec.parse("r=4,alpha=12,dropout=0.1")
     model, state = _trained(spec)
-    base, adapters, mdlmpe = lora.split_state(state)
-    merged = lora.merge(base, adapters, mdlmpe, spec)
+    base, adapters, mdlmpe = lora_export.split_state(state)
+    merged = lora_export.merge(base, adapters, mdlmpe, spec)
     a, b = adapters["layers.1.mlp.up_proj"]
     torch.testing.assert_close(
         merged["layers.1.mlp.up_proj.weight"] - base["layers.1.mlp.up_proj.weight"], (b @ a) * 3.0
@@ -167,17 +173,23 @@ def test_adapter_directory_loads_with_peft(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    spec = lora.parse("r=4,alpha=8,targets=q,k,o,gate")
+    spec = lora_spec.parse("r=4,alpha=8,targets=q,k,o,gate")
     model, state = _trained(spec)
-    base, adapters, mdlmpe = lora.split_state(state)
-    files = lora.write_adapter_dir(tmp_path / "adapter", adapters, mdlmpe, spec, base_model="some/base")
+    base, adapters, mdlmpe = lora_export.split_state(state)
+    files = lora_export.write_adapter_dir(
+        tmp_path / "adapter", adapters, mdlmpe, spec, base_model="some/base"
+    )
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, "some/base")
-    assert [f.name for f in files] == ["adapter_config.json", "adapter_model.safetensors", lora.MDLMPE_FILE]
+    assert [f.name for f in files] == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        lora_spec.MDLMPE_FILE,
+    ]
     fresh = _tiny()
     with torch.no_grad():  # the base, then the trained MDLMPE weights from the adapter directory
         fresh.load_state_dict(
-            {**base, **load_file(str(tmp_path / "adapter" / lora.MDLMPE_FILE))}, strict=True
+            {**base, **load_file(str(tmp_path / "adapter" / lora_spec.MDLMPE_FILE))}, strict=True
         )
     wrapped = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
     ids = torch.randint(0, 100, (2, 16))
@@ -211,13 +223,13 @@ def test_adapter_export_loads_with_peft_onto_the_base_export_without_mdlmpe_ds(t
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.models.hf_io import save_pretrained
 
-    spec = lora.parse("r=4,alpha=8,targets=q,k,o,gate,down")
+    spec = lora_spec.parse("r=4,alpha=8,targets=q,k,o,gate,down")
     model, state = _trained(spec, family)
-    base, adapters, mdlmpe = lora.split_state(state)
+    base, adapters, mdlmpe = lora_export.split_state(state)
     base_export = tmp_path / "base"
-    save_pretrained(lora.merge(base, {}, mdlmpe, spec), base_export, model.config)
+    save_pretrained(lora_export.merge(base, {}, mdlmpe, spec), base_export, model.config)
     finish_export(base_export, family, None)
-    lora.write_adapter_dir(
+    lora_export.write_adapter_dir(
         tmp_path / "adapter", adapters, mdlmpe, spec, "org/base-model", family=family, revision="v1"
     )
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -238,30 +250,34 @@ def test_adapter_export_loads_with_peft_onto_the_base_export_without_mdlmpe_ds(t
 
 
 def test_split_state_refuses_half_an_adapter():
-    _, state = _trained(lora.parse("r=2,targets=q"))
+    _, state = _trained(lora_spec.parse("r=2,targets=q"))
     del state["layers.0.attn.q_proj.lora_B.default.weight"]
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj is incomplete"):
-        lora.split_state(state)
+        lora_export.split_state(state)
 
 
 # ------------------------------------------------------------------------------------ checkpoints
 def test_checkpoint_key_check(tmp_path):
-    spec = lora.parse("r=4,targets=q,v")
+    spec = lora_spec.parse("r=4,targets=q,v")
     model = _tiny()
     lora.inject(model, spec)
-    names = lora.trainable_names(model)
-    lora.write_checkpoint_meta(tmp_path, spec, names)
-    lora.check_checkpoint(tmp_path, spec, names)  # same: passes
+    names = lora_checkpoints.trainable_names(model)
+    lora_checkpoints.write_checkpoint_meta(tmp_path, spec, names)
+    lora_checkpoints.check_checkpoint(tmp_path, spec, names)  # same: passes
     with pytest.raises(ValueError, match=r"checkpoint trained --lora r=4.*this run has --lora r=8"):
-        lora.check_checkpoint(tmp_path, lora.parse("r=8,targets=q,v"), names)
+        lora_checkpoints.check_checkpoint(tmp_path, lora_spec.parse("r=8,targets=q,v"), names)
     with pytest.raises(ValueError, match=r"missing.*layers.0.attn.k_proj.lora_A"):
-        lora.check_checkpoint(tmp_path, spec, [*names, "layers.0.attn.k_proj.lora_A.default.weight"])
+        lora_checkpoints.check_checkpoint(
+            tmp_path, spec, [*names, "layers.0.attn.k_proj.lora_A.default.weight"]
+        )
     with pytest.raises(ValueError, match=r"unexpected.*embed.mdlmpe"):
-        lora.check_checkpoint(tmp_path, spec, [n for n in names if not n.startswith("embed.mdlmpe")])
+        lora_checkpoints.check_checkpoint(
+            tmp_path, spec, [n for n in names if not n.startswith("embed.mdlmpe")]
+        )
     with pytest.raises(ValueError, match=r"LoRA checkpoint.*full fine-tune: resume it with --lora r=4"):
-        lora.check_checkpoint(tmp_path, None, [])
+        lora_checkpoints.check_checkpoint(tmp_path, None, [])
     with pytest.raises(ValueError, match="full fine-tune checkpoint"):
-        lora.check_checkpoint(tmp_path / "missing", spec, names)
+        lora_checkpoints.check_checkpoint(tmp_path / "missing", spec, names)
 
 
 def test_find_base_file_names_where_it_looked(tmp_path):
@@ -269,9 +285,9 @@ def test_find_base_file_names_where_it_looked(tmp_path):
     step.mkdir(parents=True)
     config = {"train": {"output_dir": str(tmp_path / "elsewhere")}, "model": {}}
     with pytest.raises(FileNotFoundError, match=r"lora_base.safetensors"):
-        lora.find_base_file(step, config)
-    (tmp_path / "run" / lora.BASE_FILE).write_bytes(b"x")
-    assert lora.find_base_file(step, config) == tmp_path / "run" / lora.BASE_FILE
+        lora_base.find_base_file(step, config)
+    (tmp_path / "run" / lora_spec.BASE_FILE).write_bytes(b"x")
+    assert lora_base.find_base_file(step, config) == tmp_path / "run" / lora_spec.BASE_FILE
 
 
 def _preset_lora_checkpoint(tmp_path, base=None):
@@ -283,30 +299,30 @@ def _preset_lora_checkpoint(tmp_path, base=None):
     step = run / "checkpoints" / "step_000004"
     step.mkdir(parents=True)
     tensors = {n: p.detach().clone() for n, p in _tiny().named_parameters() if not lora.is_mdlmpe_name(n)}
-    save_file(tensors, str(run / lora.BASE_FILE), metadata={"format": "pt"})
-    spec = lora.parse("r=4,targets=q,v")
-    lora.write_checkpoint_meta(step, spec, [], base)
+    save_file(tensors, str(run / lora_spec.BASE_FILE), metadata={"format": "pt"})
+    spec = lora_spec.parse("r=4,targets=q,v")
+    lora_checkpoints.write_checkpoint_meta(step, spec, [], base)
     config = {"train": {"output_dir": str(run)}, "model": {"model_name_or_path": None}}
     return run, step, config, tensors
 
 
 def test_base_identity_is_checked_when_the_base_is_read_again(tmp_path):
     run, step, config, tensors = _preset_lora_checkpoint(tmp_path)
-    identity = lora.base_identity(run / lora.BASE_FILE)
-    lora.write_checkpoint_meta(step, lora.parse("r=4,targets=q,v"), [], identity)
-    assert lora.recorded_base_identity(step) == identity and identity["kind"] == "file"
-    assert sorted(lora.read_base(step, config)) == sorted(tensors)  # the same base: read
+    identity = lora_base.base_identity(run / lora_spec.BASE_FILE)
+    lora_checkpoints.write_checkpoint_meta(step, lora_spec.parse("r=4,targets=q,v"), [], identity)
+    assert lora_base.recorded_base_identity(step) == identity and identity["kind"] == "file"
+    assert sorted(lora_export.read_base(step, config)) == sorted(tensors)  # the same base: read
     from safetensors.torch import save_file
 
     other = {n: t + 1 for n, t in tensors.items()}  # another run's base: same names and shapes
-    save_file(other, str(run / lora.BASE_FILE), metadata={"format": "pt"})
+    save_file(other, str(run / lora_spec.BASE_FILE), metadata={"format": "pt"})
     with pytest.raises(
         ValueError, match=r"lora_base\.safetensors: not the base this LoRA checkpoint was trained on"
     ):
-        lora.read_base(step, config)
+        lora_export.read_base(step, config)
     # a checkpoint from before identities were recorded is read as it is
-    lora.write_checkpoint_meta(step, lora.parse("r=4,targets=q,v"), [])
-    assert sorted(lora.read_base(step, config)) == sorted(tensors)
+    lora_checkpoints.write_checkpoint_meta(step, lora_spec.parse("r=4,targets=q,v"), [])
+    assert sorted(lora_export.read_base(step, config)) == sorted(tensors)
 
 
 def test_a_pretrained_directory_base_is_identified_by_sampled_digests(tmp_path):
@@ -314,19 +330,19 @@ def test_a_pretrained_directory_base_is_identified_by_sampled_digests(tmp_path):
 
     model = _tiny()
     save_pretrained(model, tmp_path / "base", model.config)
-    identity = lora.base_identity(tmp_path / "base")
+    identity = lora_base.base_identity(tmp_path / "base")
     assert identity["kind"] == "directory" and set(identity["files"]) == {"config.json", "model.safetensors"}
     save_pretrained(DiffusionLM(model.config), tmp_path / "base", model.config)  # another init
-    assert lora.base_identity(tmp_path / "base") != identity
+    assert lora_base.base_identity(tmp_path / "base") != identity
 
 
 def test_a_truncated_base_file_is_named(tmp_path):
     run, step, config, _ = _preset_lora_checkpoint(tmp_path)
-    file = run / lora.BASE_FILE
+    file = run / lora_spec.BASE_FILE
     with open(file, "r+b") as fh:
         fh.truncate(file.stat().st_size // 2)
     with pytest.raises(ValueError, match=rf"{file}: the LoRA run's frozen base cannot be read .*truncated"):
-        lora.read_base(step, config)
+        lora_export.read_base(step, config)
 
 
 # ------------------------------------------------------------------------------------ dry run
@@ -364,7 +380,7 @@ def test_memory_plan_of_llada_8b_with_lora():
     run = build_config(None, ["--micro_batch_size", "1", "--max_len", "2048", "--precision", "bf16"])
     ds = eng.prepare_ds_config(REPO / "ds_configs" / "zero3.json", run, world=8)
     cfg = preset("llada-8b", max_seq_len=2048, mdlmpe={"max_seq_len": 2048})
-    spec = lora.parse("r=16,alpha=32,dropout=0.05")
+    spec = lora_spec.parse("r=16,alpha=32,dropout=0.05")
     adapters = lora.adapter_parameter_count(cfg, spec)
     with torch.device("meta"):
         mdlmpe = DiffusionLM(cfg).num_mdlmpe_parameters()

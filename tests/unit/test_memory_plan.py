@@ -13,7 +13,9 @@ from mdlmpe_ds.attention.impl import AttentionImpl
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.recompute import Recompute
 from mdlmpe_ds.pe.config import MDLMPEConfig
-from mdlmpe_ds.training.memory_plan import GIB, head_bytes, layer_activation_bytes, measure_layer, plan_memory
+from mdlmpe_ds.training.activation_bytes import head_bytes, layer_activation_bytes
+from mdlmpe_ds.training.memory_measure import measure_layer
+from mdlmpe_ds.training.memory_plan import GIB, plan_memory
 
 
 @pytest.fixture(autouse=True)

@@ -12,15 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from mdlmpe_ds.attention import AttentionImpl
 from mdlmpe_ds.models import DiffusionLM, preset
-from mdlmpe_ds.models.hf_io import (
-    INDEX_NAME,
-    CheckpointError,
-    config_from_hf_dict,
-    load_pretrained,
-    load_weights_into,
-    read_hf_config,
-    save_pretrained,
-)
+from mdlmpe_ds.models.hf_config import CheckpointError, config_from_hf_dict, read_hf_config
+from mdlmpe_ds.models.hf_io import INDEX_NAME, load_pretrained, load_weights_into, save_pretrained
 
 # GSAI-ML/LLaDA-8B-Instruct config.json values (docs/models.md §1.1), as the file spells them.
 LLADA_8B_CONFIG = {
@@ -226,7 +219,7 @@ def test_config_of_the_other_family_is_reported(tmp_path):
     llada = _saved(tmp_path, family="llada", shards=False)
     dream_config = preset("dream-tiny", num_kv_heads=4)
     raw = json.loads((tmp_path / "config.json").read_text())
-    from mdlmpe_ds.models.hf_io import hf_config_dict
+    from mdlmpe_ds.models.hf_config import hf_config_dict
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(dream_config)))
     with pytest.raises(CheckpointError, match=r"these are llada names: is config\.json of the right family"):

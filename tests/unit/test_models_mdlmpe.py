@@ -87,7 +87,7 @@ def _trained_attention(family, backend):
 
 
 def _layer_inputs(model):
-    from mdlmpe_ds.models.transformer import LayerContext
+    from mdlmpe_ds.models.block import LayerContext
     from mdlmpe_ds.pe.rope import rotary_angles
 
     ids, valid = _batch(model.config)
@@ -183,16 +183,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, encoding, backe
 def test_layer_checkpoint_leaves_self_managed_attention_out(monkeypatch, backend, recompute, runs_per_layer):
     """With layer checkpointing, backward re-runs the MDLMPE attention forward only where its memory
     is not already bounded (per-block recompute), and gradients equal the uncheckpointed ones."""
-    import mdlmpe_ds.models.transformer as transformer
+    import mdlmpe_ds.models.block as block
 
     calls = []
-    attention = transformer.mdlmpe_attention
+    attention = block.mdlmpe_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return attention(*args, **kwargs)
 
-    monkeypatch.setattr(transformer, "mdlmpe_attention", counted)
+    monkeypatch.setattr(block, "mdlmpe_attention", counted)
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)

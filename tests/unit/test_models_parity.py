@@ -192,16 +192,16 @@ def test_llada_roles_map_to_upstream_names():
 @pytest.mark.parametrize("family,fp32", [("llada", True), ("dream", False)])
 def test_rotary_precision_follows_the_family(family, fp32, monkeypatch):
     """LLaDA rotates q, k in fp32 (rope_full_precision); Dream multiplies in the activation dtype."""
-    import mdlmpe_ds.models.transformer as transformer
+    import mdlmpe_ds.models.block as block
 
     seen = []
-    real = transformer.apply_rotary
+    real = block.apply_rotary
 
     def recording(x, cos, sin, fp32=True):
         seen.append(fp32)
         return real(x, cos, sin, fp32)
 
-    monkeypatch.setattr(transformer, "apply_rotary", recording)
+    monkeypatch.setattr(block, "apply_rotary", recording)
     model = DiffusionLM(preset(f"{family}-tiny")).to(torch.bfloat16)
     out = model(torch.tensor([[1, 2, 3]]))
     assert out.dtype == torch.bfloat16

@@ -319,7 +319,7 @@ def test_tools_read_the_shared_mlp():
     """The training stats, the per-checkpoint diagnostics and the memory plan handle it."""
     from mdlmpe_ds.analysis.diagnostics import phase_weight_norms, state_diagnostics
     from mdlmpe_ds.training.callbacks import mdlmpe_stats
-    from mdlmpe_ds.training.memory_plan import measure_layer
+    from mdlmpe_ds.training.memory_measure import measure_layer
 
     model = _shared("llada")
     stats = mdlmpe_stats(model)

@@ -181,18 +181,19 @@ def test_pair_buffers_split_into_row_blocks():
     """Over the budget, the launches cover every (sequence, row block) once, each block's three
     [NM, rows, LP] fp32 buffers within the budget (the ``row_blocks`` case runs this split)."""
     from mdlmpe_ds.attention.triton import backend
+    from mdlmpe_ds.attention.triton import plan as triton_plan
 
     batch, heads, length, head_dim, tile = CASES["row_blocks"][0], 2, 21, 8, 4
     budget = PAIR_BUDGET["row_blocks"]
     q = torch.zeros(batch, heads, length, head_dim)
     config = backend.resolve_launch(q, block_size=tile, phase_tile=tile)
-    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, budget)
+    plan = triton_plan.Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, budget)
     blocks = list(plan.blocks(batch))
     assert plan.padded == 24 and len(blocks) == 6
     assert blocks == [(s, s + 1, r0, 8) for s in range(batch) for r0 in (0, 8, 16)]
     for s, e, _, rows in blocks:
         assert 3 * 4 * (e - s) * plan.num_mdlmpe * rows * plan.padded <= budget
-    plan = backend._Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, 2**30)
+    plan = triton_plan.Plan(q, q, torch.zeros(16, head_dim // 2), config, 0.25, 2**30)
     assert list(plan.blocks(batch)) == [(0, batch, 0, 24)]  # within budget: one launch group
 
 
@@ -200,7 +201,7 @@ def test_pair_buffer_budget_is_a_run_time_choice():
     """``attention.pair_buffer_gib`` is validated, reaches the memory plan, and a smaller one
     plans less transient memory for the Triton kernels (row blocks) than the default."""
     from mdlmpe_ds.models.presets import preset
-    from mdlmpe_ds.training.memory_plan import attention_transient_bytes
+    from mdlmpe_ds.training.activation_bytes import attention_transient_bytes
 
     with pytest.raises(ValueError, match="pair_buffer_gib"):
         AttentionImpl(pair_buffer_gib=0).validate()

@@ -225,7 +225,7 @@ def test_memory_plan_counts_the_bias_and_its_gradient():
     from mdlmpe_ds.attention import AttentionImpl
     from mdlmpe_ds.models.presets import preset
     from mdlmpe_ds.models.recompute import Recompute
-    from mdlmpe_ds.training.memory_plan import attention_transient_bytes, layer_activation_bytes
+    from mdlmpe_ds.training.activation_bytes import attention_transient_bytes, layer_activation_bytes
 
     impl = AttentionImpl(backend="triton-pair")
     assert impl.keeps_pair_tensors

@@ -35,8 +35,9 @@ Design (paper Eqs. (23)-(26); kernels.py says what each kernel holds):
   path (ratio, angle, MLP, alpha, beta, E, its gradients) is fp32, its MLP products TF32 for 16-bit
   inputs, IEEE fp32 for fp32 inputs. The interpreter upcasts bf16 tile operands (its bf16 dot is
   wrong in triton 3.9; the upcast is exact).
-- Launch settings: ``triton.launch.launch_config(d_h, dtype, capability)``, one function used by
-  the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles the four
+- The launch plan (tiles, pair-buffer launches under a byte budget, the phase launch) is
+  ``triton.plan``. Launch settings: ``triton.launch.launch_config(d_h, dtype, capability)``, one
+  function used by the launcher, the CI resource check (tests/unit/test_triton_resources.py compiles the four
   kernels for sm_80 and sm_90 at d_h 64 / 128, bf16 / fp32, and fails if shared memory is over the
   target's per-block limit or spills grow) and ``benchmarks/bench_attention_gpu.py
   --compile-only``. ``benchmarks/estimate_gpu.py`` turns the kernels' sm_90 SASS into an
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
@@ -55,27 +55,10 @@ from mdlmpe_ds.attention.common import check_inputs, route_active_heads
 from mdlmpe_ds.attention.triton.launch import (
     LaunchConfig,
     device_capability,
-    kernel_constexprs,
-    kernel_options,
     launch_config,
-    padded_length,
-    pair_padding,
-    phase_key_span,
 )
-from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
-
-# Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
-# triton.launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
-# Largest tile edge accepted on a GPU: the [G, BM, BN] score tiles and [G, tile, d_h] accumulators
-# live in registers (64 fits sm_90's with G = 2, see triton.launch).
-MAX_GPU_TILE = 64
-#: Default bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each;
-#: ``AttentionImpl.pair_buffer_gib``): whole sequences while they fit, else row blocks of one.
-PAIR_BUFFER_BYTES = 6 * 2**30
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from mdlmpe_ds.attention.triton.plan import MAX_GPU_TILE, PAIR_BUFFER_BYTES, Plan, interpreting
+from mdlmpe_ds.pe.phase import PhaseParams
 
 
 def check_triton_available() -> None:
@@ -87,133 +70,11 @@ def check_triton_available() -> None:
             "attention backend 'triton' needs the triton package (pip install triton); "
             "use backend 'blocked' on machines without it"
         ) from err
-    if not torch.cuda.is_available() and not _interpreting():
+    if not torch.cuda.is_available() and not interpreting():
         raise RuntimeError(
             "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for the CPU "
             "interpreter, tests only); use backend 'blocked' on CPU"
         )
-
-
-def pair_launches(
-    batch: int, padded: int, num_mdlmpe: int, step: int, budget: int = PAIR_BUFFER_BYTES
-) -> tuple[int, int]:
-    """(sequences, rows) per launch of the pair buffers: alpha, beta and dE/d delta, three
-    [sequences, |M|, rows, LP] fp32 tensors, kept under ``budget`` bytes. Whole sequences while
-    one fits; else one sequence in blocks of rows, a multiple of ``step`` (at least one step)."""
-    row_bytes = 3 * 4 * num_mdlmpe * padded
-    if row_bytes * padded <= budget:
-        return max(1, min(batch, budget // (row_bytes * padded))), padded
-    return 1, max(step, budget // row_bytes // step * step)
-
-
-def pair_buffer_bytes(
-    batch: int, length: int, num_mdlmpe: int, budget: int = PAIR_BUFFER_BYTES, step: int = MAX_GPU_TILE
-) -> int:
-    """Peak bytes of the pair buffers during one call's backward (``pair_launches``), with L padded
-    to a multiple of ``step`` (the largest tile by default: an upper bound for any launch setting)."""
-    padded = padded_length(length, step)
-    sequences, rows = pair_launches(batch, padded, num_mdlmpe, step, budget)
-    return 3 * 4 * num_mdlmpe * sequences * rows * padded
-
-
-class _Plan:
-    """Static launch parameters shared by the four kernels of one call."""
-
-    def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        w1: torch.Tensor,
-        config: LaunchConfig,
-        tau_max: float,
-        budget: int = PAIR_BUFFER_BYTES,
-    ) -> None:
-        batch, self.num_heads, self.length, self.head_dim = q.shape
-        self.num_kv = k.shape[1]
-        self.num_pairs = self.head_dim // 2
-        self.hidden = w1.shape[0]
-        self.pairs = mdlmpe_pairs(self.num_pairs).to(q.device)
-        self.num_mdlmpe = len(self.pairs)
-        metas = kernel_constexprs(
-            num_heads=self.num_heads,
-            num_kv=self.num_kv,
-            head_dim=self.head_dim,
-            hidden=self.hidden,
-            num_mdlmpe=self.num_mdlmpe,
-            dtype=q.dtype,
-            config=config,
-            interpreting=_interpreting(),
-            tau_max=tau_max,
-        )
-        self.meta = {name: {**meta, **kernel_options(name, config)} for name, meta in metas.items()}
-        self.group = metas["forward"]["G"]
-        self.head_tiles = math.ceil(self.length / config.tile)
-        step = pair_padding(config)
-        self.padded = padded_length(self.length, step)
-        self.phase_tile = config.phase_tile
-        self.head_tile = config.tile
-        self.key_span = phase_key_span(self.padded, config)
-        # Key spans per row tile: ceil, so the last span (shorter when LP is not a multiple of the
-        # span; the kernels clamp it to LP) is launched too.
-        self.key_spans = math.ceil(self.padded / self.key_span)
-        # The pair buffers (alpha, beta; in backward also ddelta) are [chunk, NM, RB, LP] fp32 for
-        # a chunk of sequences and a block of RB rows; both are chosen to keep the three under
-        # ``budget`` bytes: whole sequences while one fits, else one sequence in row blocks.
-        self.batch_chunk, self.row_block = pair_launches(batch, self.padded, self.num_mdlmpe, step, budget)
-
-    def blocks(self, batch: int):
-        """(first sequence, end sequence, first row, rows in the buffer) of every launch group."""
-        for s in range(0, batch, self.batch_chunk):
-            e = min(s + self.batch_chunk, batch)
-            for r0 in range(0, self.length, self.row_block):
-                yield s, e, r0, min(self.row_block, self.padded - r0)
-
-    def pair_buffer(self, batch: int, rows: int, device: torch.device, zero: bool = False) -> torch.Tensor:
-        shape = (batch, self.num_mdlmpe, rows, self.padded)
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=torch.float32, device=device)
-
-    def pair_components(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, L, d_h] -> the MDLMPE pairs' components [B, H, NM, LP, 2] fp32 (dims 2m+1 and
-        F+2m+1 side by side), zero past L."""
-        both = torch.stack((x[..., self.pairs], x[..., self.pairs + self.num_pairs]), dim=-1)
-        both = both.transpose(2, 3).float()  # [B, H, NM, L, 2]
-        return torch.nn.functional.pad(both, (0, 0, 0, self.padded - self.length)).contiguous()
-
-    def phase_grid(self, rows: int, batch: int) -> tuple[int, int, int]:
-        """(row tiles, key spans, sequences) of a phase-kernel launch over ``rows`` rows."""
-        return (rows // self.phase_tile, self.key_spans, batch)
-
-    def phase_dims(self, r0: int, rows: int) -> tuple[int, ...]:
-        symmetric = int(rows == self.padded)  # the whole plane in one launch (r0 = 0)
-        dims = (self.length, self.padded, r0, rows, self.key_span, symmetric)
-        return (*dims, self.num_pairs, self.hidden, self.num_mdlmpe)
-
-    def alpha_beta(self, A, D, w1, b1, w2, b2, tau_max, clip_kappa, r0: int, rows: int):
-        """alpha, beta [B, NM, rows, LP] of rows r0 .. r0 + rows - 1 (``phase_fwd_kernel``)."""
-        from mdlmpe_ds.attention.triton import kernels as kern
-
-        batch = A.shape[0]
-        alpha = self.pair_buffer(batch, rows, A.device)
-        beta = self.pair_buffer(batch, rows, A.device)
-        kern.phase_fwd_kernel[self.phase_grid(rows, batch)](
-            A,
-            D,
-            w1,
-            b1,
-            w2,
-            b2,
-            alpha,
-            beta,
-            *self.phase_dims(r0, rows),
-            tau_max,
-            clip_kappa,
-            **self.meta["phase_forward"],
-        )
-        return alpha, beta
-
-    def head_dims(self, r0: int, rows: int) -> tuple[int, ...]:
-        return (self.length, self.padded, r0, rows, self.num_heads, self.num_kv, self.num_mdlmpe)
 
 
 def _sequences(s: int, e: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -228,7 +89,7 @@ class _MDLMPEAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, A, D, w1, b1, w2, b2, kbias, tau_max, clip_kappa, scale, config, budget):
         from mdlmpe_ds.attention.triton import kernels as kern
 
-        plan = _Plan(q, k, w1, config, tau_max, budget)
+        plan = Plan(q, k, w1, config, tau_max, budget)
         out = torch.empty_like(q)
         row_max = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         row_sum = torch.empty_like(row_max)
@@ -257,7 +118,7 @@ class _MDLMPEAttention(torch.autograd.Function):
         from mdlmpe_ds.attention.triton import kernels as kern
 
         q, k, v, A, D, w1, b1, w2, b2, kbias, out, row_max, row_sum = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan: Plan = ctx.plan
         tau_max, clip_kappa, scale = ctx.consts
         grad_out = grad_out.contiguous()
         batch, num_heads, length, head_dim = q.shape
@@ -346,7 +207,7 @@ def _check_inputs(q, k, v, A, D, phase: PhaseParams, active_kv, key_valid, block
         )
     if block_size & (block_size - 1):
         raise ValueError(f"triton_attention: block_size={block_size} (attention.tile) must be a power of 2")
-    if not _interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
+    if not interpreting() and not 16 <= block_size <= MAX_GPU_TILE:
         raise ValueError(
             f"triton_attention: block_size={block_size} (attention.tile) must be in [16, {MAX_GPU_TILE}] "
             "on a GPU; the score tiles live in registers (None picks the one that fits)"
@@ -422,7 +283,7 @@ def triton_attention(
     Output [B, Hq, L, d_h] in q's dtype; grads for q, k, v and the phase MLP.
     """
     check_triton_available()
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"attention backend 'triton' got {q.device.type} tensors: the fused kernel runs on CUDA tensors "
             "(TRITON_INTERPRET=1 runs it on the CPU, tests only); use backend 'auto' or 'blocked' here"
@@ -432,7 +293,7 @@ def triton_attention(
     )
     _check_inputs(q, k, v, A, D, phase, active_kv, key_valid, config.tile)
     chunk = config.pair_chunk
-    if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not _interpreting()):
+    if chunk < 1 or chunk & (chunk - 1) or (chunk < 16 and not interpreting()):
         raise ValueError(f"triton_attention: pair_chunk={chunk} must be a power of 2 (>= 16 on a GPU)")
     batch, _, length, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

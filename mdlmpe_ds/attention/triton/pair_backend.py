@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mdlmpe_ds.attention.common import check_inputs, repeat_kv, route_active_heads
-from mdlmpe_ds.attention.triton.backend import _interpreting, check_triton_available
+from mdlmpe_ds.attention.triton.backend import check_triton_available
 from mdlmpe_ds.attention.triton.launch import (
     PairLaunchConfig,
     device_capability,
@@ -41,6 +41,7 @@ from mdlmpe_ds.attention.triton.launch import (
     pair_kernel_options,
     pair_launch_config,
 )
+from mdlmpe_ds.attention.triton.plan import interpreting
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 
@@ -70,7 +71,7 @@ class _PairBias(torch.autograd.Function):
             num_mdlmpe=len(pairs),
             dtype=q.dtype,
             config=config,
-            interpreting=_interpreting(),
+            interpreting=interpreting(),
             tau_max=tau_max,
         )
         meta.update(pair_kernel_options(config))
@@ -191,7 +192,7 @@ def pair_bias_attention(
     RoPE SDPA); ``key_valid`` [B, L] bool; ``launch``: the kernels' settings (None: per GPU).
     Output [B, Hq, L, d_h] in q's dtype; gradients for q, k, v and the phase MLP."""
     check_triton_available()
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"attention backend 'triton-pair' got {q.device.type} tensors: its kernels run on CUDA tensors "
             "(TRITON_INTERPRET=1 runs them on the CPU, tests only); use backend 'auto' or 'blocked' here"
