@@ -208,7 +208,7 @@ def add_parameters(
     *,
     meta: bool = False,
 ) -> None:
-    """``add(model)`` creates new parameters on a built model (LoRA adapters, mdlmpe_ds/lora/adapters.py):
+    """``add(model)`` creates new parameters on a built model (LoRA adapters, mdlmpe_ds/lora/attach.py):
     inside ``zero.Init``, so they are partitioned like every other parameter and in the model's
     dtype (checked), or on the meta device for a dry run. Collective under ZeRO-3."""
     if meta:
