@@ -202,7 +202,7 @@ def run_job(job, run, args, report) -> int:
 
 
 def exit_process(exit_code: int) -> None:
-    """Leave: a worker under torchrun / the deepspeed launcher through the engine's teardown exit
+    """Leave: a worker under torchrun / the deepspeed launcher through the process group's teardown exit
     (everything is written; gloo's C++ teardown is racy), anything else normally."""
     if "LOCAL_RANK" in os.environ:
         from mdlmpe_ds.distributed.process_group import exit_after_teardown
