@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", type=str, default=None, help="also write the results here")
     p.add_argument("--model-only", action="store_true", help="print the cost model's estimates, no GPU")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the cost model's calibration kernel (gpu_cost.calibrate) at the published shapes, "
+        "every launch setting of the tutorial's autotuning space, then exit",
+    )
     return p.parse_args(argv)
 
 
@@ -104,6 +110,7 @@ def time_fwd_bwd(step: Callable[[], None], warmup: int, iters: int) -> tuple[flo
 def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callable[[], None]]:
     """One closure per method doing fwd + bwd on the same bf16 inputs (leaf grads reset each call)."""
     from mdlmpe_ds.attention.triton.backend import triton_attention
+    from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
 
     dev, dtype = "cuda", getattr(torch, args.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -140,8 +147,20 @@ def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callab
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return rope_attention(q, k, v)
 
+    key_valid = torch.ones(args.batch, length, dtype=torch.bool, device=dev)
+    key_valid[:, length - max(1, length // 64) :] = False  # a padded tail: SDPA's bias path
+
+    def padded_rope() -> torch.Tensor:
+        return rope_attention(q, k, v, key_valid=key_valid)
+
     methods = {
         "rope_flash": run(flash),
+        "rope_padded_mea": run(padded_rope),
+        "mdlmpe_triton_pair": run(
+            lambda: pair_bias_attention(
+                q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4, active_kv=active_kv
+            )
+        ),
         "mdlmpe_triton": run(
             lambda: triton_attention(
                 q,
@@ -230,6 +249,12 @@ KERNEL_NAMES = {
     "mdlmpe_fwd_kernel": "forward",
     "mdlmpe_bwd_kernel": "backward",
     "phase_bwd_kernel": "phase_backward",
+    "pair_bias_fwd_kernel": "pair_forward",
+    "pair_bias_bwd_q_kernel": "pair_backward_q",
+    "pair_bias_bwd_k_kernel": "pair_backward_k",
+    # SDPA's memory-efficient (cutlass) kernels: the pair design's bias attention.
+    "fmha_cutlassF": "attn_bias_fwd (sdpa)",
+    "fmha_cutlassB": "attn_bias_bwd (sdpa)",
 }
 
 
@@ -252,15 +277,17 @@ def kernel_times(step: Callable[[], None], iters: int) -> dict[str, float]:
     return out
 
 
-def model_estimates(length: int, batch: int) -> dict[str, object]:
-    """The cost model's ESTIMATE (low, central, high) of what this benchmark measures for today's
-    kernels at the launcher's settings: ms per kernel and per MDLMPE layer (batch 1, times
-    ``batch``), and the step ratio against the SDPA flash baseline with the run's recompute."""
+def model_estimates(length: int, batch: int, design: str = "current") -> dict[str, object]:
+    """The cost model's ESTIMATE (low, central, high) of what this benchmark measures for one
+    design at the launcher's settings (``current``: the fused kernels; ``pair_bias``: the
+    triton-pair backend, with SDPA's memory-efficient kernels as its bias attention): ms per kernel
+    and per MDLMPE layer (batch 1, times ``batch``), and the step ratio against the SDPA flash
+    baseline with the run's recompute."""
     from gpu_cost import designs, recorded, step
     from gpu_cost.assumptions import SCENARIOS, Scenario
 
     rec = recorded.load()
-    per = {s: designs.layer("current", length, Scenario(s), rec) for s in SCENARIOS}
+    per = {s: designs.layer(design, length, Scenario(s), rec, attention="sdpa") for s in SCENARIOS}
     kernels = {
         t.name: tuple(batch * {x.name: x.ms for x in per[s].timings}[t.name] for s in SCENARIOS)
         for t in per["central"].timings
@@ -276,6 +303,39 @@ def model_estimates(length: int, batch: int) -> dict[str, object]:
         rope_flash_ms=rope,
         step_ratio=step.ratio_range(layer, "sdpa_flash", length),
     )
+
+
+def measured_rates(row: dict, length: int, batch: int) -> dict[str, float]:
+    """The measured counterparts of the model's RoPE-side assumptions, printed beside them: SDPA
+    flash forward and backward TFLOP/s (assumptions fa2_fwd, fa2_bwd), the memory-efficient path
+    with a key-padding bias, fwd + bwd (mea_fwd, mea_bwd), and the MFU of one layer's matmuls."""
+    from gpu_cost.assumptions import SCENARIOS, Scenario
+    from gpu_cost.step import BWD_FLOPS_RATIO, DENSE_BF16_FLOPS, attention_flops
+
+    flops = attention_flops(length, batch)
+    fwd_ms = row["rope_flash_fwd"]["ms"]
+    bwd_ms = row["rope_flash"]["ms"] - fwd_ms
+    mea_ms = row["rope_padded_mea"]["ms"]
+    hidden, ffn = LLADA["hidden"], LLADA["ffn"]
+    lin_flops = 6 * (4 * hidden**2 + 3 * hidden * ffn) * batch * length
+    got = {
+        "fa2_fwd": flops / (fwd_ms * 1e9),
+        "fa2_bwd": BWD_FLOPS_RATIO * flops / (bwd_ms * 1e9),
+        "mea_fwd_bwd": (1 + BWD_FLOPS_RATIO) * flops / (mea_ms * 1e9),
+        "mfu": lin_flops / (row["linear_layer"]["ms"] * 1e-3) / DENSE_BF16_FLOPS,
+    }
+    print(f"measured rates vs the model's assumptions (low / central / high), L = {length}:")
+    for key, value in got.items():
+        if key == "mea_fwd_bwd":
+            assumed = [
+                (1 + BWD_FLOPS_RATIO)
+                / (1 / Scenario(s)["mea_fwd"] + BWD_FLOPS_RATIO / Scenario(s)["mea_bwd"])
+                for s in SCENARIOS
+            ]
+        else:
+            assumed = [Scenario(s)[key] for s in SCENARIOS]
+        print(f"  {key:<12} measured {value:8.3g}   assumed " + " / ".join(f"{a:.3g}" for a in assumed))
+    return got
 
 
 def _range(values) -> str:
@@ -331,6 +391,53 @@ def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def measure_calibration() -> dict[str, object]:
+    """TFLOP/s of the calibration kernel per published length and launch setting on this GPU (the
+    autotuner's pick is the fastest), beside the published figure; its output is first checked
+    against SDPA. The model's side is printed by ``estimate_gpu.py --calibration-measured``."""
+    from gpu_cost import calibrate
+
+    batch, length = calibrate.TOKENS // 1024, 1024
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (
+        torch.randn(batch, calibrate.HEADS, length, calibrate.HEAD_DIM, device="cuda", generator=gen).to(
+            torch.bfloat16
+        )
+        for _ in range(3)
+    )
+    o, lse = torch.empty_like(q), torch.empty(batch * calibrate.HEADS, length, device="cuda")
+    bm, bn, stages, warps = calibrate.CENTRAL_SETTING
+    calibrate._kernel()[(length // bm, batch * calibrate.HEADS)](
+        q, k, v, o, lse, length, calibrate.HEAD_DIM**-0.5, DH=calibrate.HEAD_DIM, BM=bm, BN=bn,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    err = (o.float() - F.scaled_dot_product_attention(q, k, v).float()).abs().max().item()
+    print(f"calibration kernel vs SDPA at S = {length}: max abs error {err:.2e}", flush=True)
+    if not err < 2e-2:
+        raise AssertionError(f"the calibration kernel does not compute attention (max error {err})")
+    rows = []
+    for length, published in calibrate.PUBLISHED_TFLOPS.items():
+        per_setting = {}
+        for setting in calibrate.TUTORIAL_SPACE:
+            try:
+                per_setting[",".join(map(str, setting))] = calibrate.measure_tflops(length, setting)
+            except (
+                Exception
+            ) as exc:  # a setting the GPU cannot launch (shared memory): the autotuner skips it
+                per_setting[",".join(map(str, setting))] = None
+                print(f"  S = {length} setting {setting}: not launched ({type(exc).__name__})")
+        central = per_setting[",".join(map(str, calibrate.CENTRAL_SETTING))]
+        best = max((v, k) for k, v in per_setting.items() if v is not None)
+        print(
+            f"S = {length:>5}: published {published:5.0f} TFLOP/s; measured {central:6.1f} at the central "
+            f"setting, {best[0]:6.1f} at the fastest ({best[1]})",
+            flush=True,
+        )
+        rows.append(dict(length=length, published=published, central=central, best=best[0],
+                         best_setting=best[1], per_setting=per_setting))  # fmt: skip
+    return {"max_abs_error_vs_sdpa": err, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model_only:
@@ -352,6 +459,15 @@ def main(argv: list[str] | None = None) -> int:
 
     check_triton_available()
     device = torch.cuda.get_device_name()
+    if args.calibrate:
+        import triton
+
+        results = {"device": device, "torch": torch.__version__, "triton": triton.__version__}
+        results["calibration"] = measure_calibration()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2)
+        return 0
     results = {"device": device, "args": vars(args), "lengths": {}}
     print(f"device: {device}; B={args.batch} Hq={args.heads} Hkv={args.kv_heads} d_h={args.head_dim}")
     for length in args.lengths:
@@ -361,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
             ms, peak = time_fwd_bwd(step, args.warmup, args.iters)
             row[name] = {"ms": ms, "peak_extra_mib": peak / 2**20}
             torch.cuda.empty_cache()
-        measured_kernels = kernel_times(methods["mdlmpe_triton"], args.iters)
+        measured = {
+            "current": kernel_times(methods["mdlmpe_triton"], args.iters),
+            "pair_bias": kernel_times(methods["mdlmpe_triton_pair"], args.iters),
+        }
         base = row["rope_flash"]["ms"]
         print(f"\nL = {length}")
         print(f"{'method':<16}{'fwd+bwd ms':>12}{'x flash':>10}{'peak MiB':>12}")
@@ -369,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<16}{r['ms']:>12.2f}{r['ms'] / base:>10.2f}{r['peak_extra_mib']:>12.1f}")
         lin, head, n = row["linear_layer"]["ms"], row["lm_head"]["ms"], LLADA["layers"]
         rope_step = n * (lin + base) + head
-        for name in ("mdlmpe_triton", "mdlmpe_blocked"):
+        for name in ("mdlmpe_triton", "mdlmpe_triton_pair", "mdlmpe_blocked"):
             if name in row:
                 ratio = (n * (lin + row[name]["ms"]) + head) / rope_step
                 row[name]["step_ratio_estimate"] = ratio
@@ -378,24 +497,25 @@ def main(argv: list[str] | None = None) -> int:
         # (the layer's matmuls and the RoPE attention forward twice, the MDLMPE attention once).
         lin_fwd, rope_fwd = row["linear_layer_fwd"]["ms"], row["rope_flash_fwd"]["ms"]
         rope_step_rc = n * (lin + lin_fwd + base + rope_fwd) + head
-        measured_ratio = (n * (lin + lin_fwd + row["mdlmpe_triton"]["ms"]) + head) / rope_step_rc
-        est = model_estimates(length, args.batch)
-        print(f"measured vs cost model ESTIMATE (central, low-high), L = {length}:")
         if launch_overrides(args) or (args.heads, args.kv_heads, args.head_dim) != (32, 32, 128):
             print("  (the model is for the launcher's settings at LLaDA-8B shapes; this run differs)")
-        for name, ms in est["kernels"].items():
-            got = measured_kernels.get(name)
-            shown = f"{got:8.2f}" if got is not None else "     n/a"
-            print(f"  {name:<16} measured {shown} ms   model {_range(ms)} ms")
-        print(
-            f"  {'mdlmpe layer':<16} measured {row['mdlmpe_triton']['ms']:8.2f} ms   "
-            f"model {_range(est['mdlmpe_layer_ms'])} ms"
-        )
-        print(f"  {'rope_flash':<16} measured {base:8.2f} ms   model {_range(est['rope_flash_ms'])} ms")
-        print(f"  step ratio (recompute) measured {measured_ratio:.2f}   model {_range(est['step_ratio'])}")
-        row["model"] = est
-        row["measured_kernels_ms"] = measured_kernels
-        row["step_ratio_recompute"] = measured_ratio
+        row["model"], row["measured_kernels_ms"], row["step_ratio_recompute"] = {}, measured, {}
+        for design, method in (("current", "mdlmpe_triton"), ("pair_bias", "mdlmpe_triton_pair")):
+            ratio = (n * (lin + lin_fwd + row[method]["ms"]) + head) / rope_step_rc
+            est = model_estimates(length, args.batch, design)
+            print(f"measured vs cost model ESTIMATE (central, low-high), L = {length}, {method} ({design}):")
+            for name, ms in est["kernels"].items():
+                got = measured[design].get(name)
+                shown = f"{got:8.2f}" if got is not None else "     n/a"
+                print(f"  {name:<22} measured {shown} ms   model {_range(ms)} ms")
+            print(
+                f"  {'mdlmpe layer':<22} measured {row[method]['ms']:8.2f} ms   "
+                f"model {_range(est['mdlmpe_layer_ms'])} ms"
+            )
+            print(f"  {'rope_flash':<22} measured {base:8.2f} ms   model {_range(est['rope_flash_ms'])} ms")
+            print(f"  step ratio (recompute) measured {ratio:.2f}   model {_range(est['step_ratio'])}")
+            row["model"][design], row["step_ratio_recompute"][design] = est, ratio
+        row["rates"] = measured_rates(row, length, args.batch)
         results["lengths"][str(length)] = row
     if args.json:
         with open(args.json, "w") as fh:

@@ -171,3 +171,38 @@ def calibration_rows(non_overlap: float, space=(CENTRAL_SETTING,)) -> list[dict[
             )
         )
     return rows
+
+
+def measure_tflops(
+    length: int, setting: tuple[int, int, int, int] = CENTRAL_SETTING, iters: int = 20
+) -> float:
+    """Measured TFLOP/s of the calibration kernel on the current CUDA device at the published shape
+    (B = 16k / S, 16 heads, d = 128, bf16) and ``setting`` (BM, BN, stages, warps): the mean of
+    ``iters`` launches after three warm-ups, timed with CUDA events."""
+    bm, bn, stages, warps = setting
+    batch = TOKENS // length
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(batch * HEADS, length, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(3)
+    )
+    o = torch.empty_like(q)
+    lse = torch.empty(batch * HEADS, length, device="cuda")
+    kernel = _kernel()
+    grid = (length // bm, batch * HEADS)
+
+    def launch() -> None:
+        kernel[grid](q, k, v, o, lse, length, HEAD_DIM**-0.5, DH=HEAD_DIM, BM=bm, BN=bn,
+                     num_warps=warps, num_stages=stages)  # fmt: skip
+
+    for _ in range(3):
+        launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        launch()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    flops = 4.0 * batch * HEADS * length**2 * HEAD_DIM
+    return flops / (ms * 1e-3) / 1e12

@@ -2,10 +2,13 @@
 RoPE SDPA and SDPA with the ALiBi bias.
 
 Conventions (all paths): q [B, Hq, L, d_h] and k, v [B, Hkv, L, d_h] are already RoPE-rotated;
-``key_valid`` [B, L] is True where a key may be attended. Masked keys get an additive
-finfo(dtype).min of the scores' dtype (LLaDA's finfo(float32).min in fp32; finfo(float32).min cast
-to bf16 or fp16 would be -inf, and a row of -inf is NaN), so a row with no valid key at all (a
-padding-only sequence) degrades to a uniform average instead of NaN.
+``key_valid`` [B, L] is True where a key may be attended. Masked keys get the additive
+``masked_key_bias(dtype)`` of the scores' dtype, finfo(dtype).min / 16: finite in that dtype
+(finfo(float32).min cast to bf16 or fp16 would be -inf, and a row of -inf is NaN), and finite in
+fp32 after the softmax scale and log2(e) that fused SDPA kernels multiply in before they subtract the
+row max. A row with no valid key at all (a padding-only sequence) then degrades to a uniform average
+instead of NaN or zeros. For rows with a valid key the value is immaterial (exp underflows to 0
+either way), so outputs match LLaDA's finfo(float32).min convention bit for bit.
 """
 
 from __future__ import annotations
@@ -88,15 +91,27 @@ def repeat_kv(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
+#: The masked-key bias is finfo(dtype).min divided by this: room for the factors (scale <= 1,
+#: log2(e) ~ 1.44) a fused kernel applies before subtracting the row max, which turn finfo.min
+#: itself into -inf in fp32 (on an H100, SDPA's memory-efficient kernel then returns zeros for a
+#: row whose keys are all masked instead of the uniform average: tests/gpu/test_gpu_shapes.py).
+MASKED_KEY_HEADROOM = 16.0
+
+
+def masked_key_bias(dtype: torch.dtype) -> float:
+    """The additive score bias of a masked key in ``dtype`` (see the module docstring)."""
+    return torch.finfo(dtype).min / MASKED_KEY_HEADROOM
+
+
 def key_padding_bias(
     key_valid: torch.Tensor | None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor | None:
-    """[B, L] bool -> additive bias [B, 1, 1, L] in ``dtype``: 0 where valid, finfo(dtype).min
-    where not (finite in every dtype; finfo(float32).min itself rounds to -inf in bf16 and fp16)."""
+    """[B, L] bool -> additive bias [B, 1, 1, L] in ``dtype``: 0 where valid,
+    ``masked_key_bias(dtype)`` where not."""
     if key_valid is None or bool(key_valid.all()):
         return None
     bias = torch.zeros(key_valid.shape, dtype=dtype, device=key_valid.device)
-    bias.masked_fill_(~key_valid.bool(), torch.finfo(dtype).min)
+    bias.masked_fill_(~key_valid.bool(), masked_key_bias(dtype))
     return bias[:, None, None, :]
 
 
@@ -184,6 +199,6 @@ def alibi_attention(
     """Bidirectional SDPA with the ALiBi bias of ``pe.alibi.alibi_bias`` (fp32 [B|1, H, L, L]).
     q [B, Hq, L, d], k/v [B, Hkv, L, d] (not rotated). [B, Hq, L, d].
 
-    The fp32 bias is clamped to q's dtype range before the cast: finfo(float32).min on padded keys
-    would become -inf in bf16 / fp16 (NaN rows)."""
-    return grouped_sdpa(q, k, v, bias.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale)
+    The fp32 bias is clamped to ``masked_key_bias(q.dtype)`` before the cast: finfo(float32).min
+    on padded keys would become -inf in bf16 / fp16 (NaN rows)."""
+    return grouped_sdpa(q, k, v, bias.clamp_min(masked_key_bias(q.dtype)).to(q.dtype), scale)

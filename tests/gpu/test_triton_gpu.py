@@ -87,11 +87,13 @@ def test_parity_with_reference(dtype, tol_io, tol_mlp):
 def test_auto_backend_on_cuda_is_the_kernel():
     """The default config (backend 'auto') runs the fused kernel on CUDA tensors: same output."""
     from mdlmpe_ds.attention import mdlmpe_attention
+    from mdlmpe_ds.attention.impl import AttentionImpl
     from mdlmpe_ds.attention.triton.backend import triton_attention
     from mdlmpe_ds.pe.config import MDLMPEConfig
 
     mlp, q, k, v, A, D = _layer(1, 4, 2, 96, 128, torch.bfloat16)
-    got = mdlmpe_attention(q, k, v, A, D, mlp.params(), MDLMPEConfig())
+    assert AttentionImpl().backend == "auto"
+    got = mdlmpe_attention(q, k, v, A, D, mlp.params(), MDLMPEConfig(), AttentionImpl())
     want = triton_attention(q, k, v, A, D, mlp.params(), tau_max=0.25, clip_kappa=1e-4)
     assert torch.equal(got, want)
 

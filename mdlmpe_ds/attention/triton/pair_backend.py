@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mdlmpe_ds.attention.common import check_inputs, repeat_kv, route_active_heads
+from mdlmpe_ds.attention.common import check_inputs, masked_key_bias, repeat_kv, route_active_heads
 from mdlmpe_ds.attention.triton.backend import check_triton_available
 from mdlmpe_ds.attention.triton.launch import (
     PairLaunchConfig,
@@ -152,7 +152,7 @@ def _check_pair_inputs(q, k, v, A, D, phase: PhaseParams, active_kv, key_valid) 
 def _biased_attention(q, k, v, A, D, phase: PhaseParams, key_valid, tau_max, clip_kappa, scale, config):
     """All heads active: the pair bias, then SDPA with it. [B, Hq, L, d_h]."""
     batch, num_heads, length, _ = q.shape
-    min_value = torch.finfo(q.dtype).min
+    min_value = masked_key_bias(q.dtype)
     kbias = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
     if key_valid is not None:
         kbias.masked_fill_(~key_valid.bool(), min_value)
