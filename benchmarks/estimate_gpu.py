@@ -20,6 +20,10 @@ checkpointing on) per design and RoPE baseline; the extra attention memory per d
     python benchmarks/estimate_gpu.py --compile            # recompile today's kernels first (~1 min)
     python benchmarks/estimate_gpu.py --no-calibration     # no compiler needed at all
     python benchmarks/estimate_gpu.py --pair-resources 8,2,255,400,196608,6   # a pair kernel's compile
+    python benchmarks/estimate_gpu.py --measured           # what one H100 measured, beside the model
+
+``--measured`` prints the tables of ``gpu_cost/measured.py`` (the record ``measured_h100.json``
+of a lent H100) and exits: the README's and docs/gpu.md's measured tables are these, verbatim.
 """
 
 from __future__ import annotations
@@ -188,6 +192,26 @@ def print_memory(length: int, batch: int, budget: float) -> dict:
     return out
 
 
+def print_measured() -> None:
+    """The measured tables (``gpu_cost.measured``): step ratio, kernels at every measured length,
+    the RoPE side's rates, the calibration kernel."""
+    from gpu_cost import measured
+
+    record = measured.load()
+    soft = record["software"]
+    print(f"Measured on one {record['device']} ({record['date']}; torch {soft['torch']},")
+    print(f"Triton {soft['triton']}),")
+    print(f"beside the model's {LABEL} of the same quantities.\n")
+    print(measured.step_table(record) + "\n")
+    for length in measured.lengths(record):
+        print(f"L = {length}, one LLaDA-8B layer, fwd + bwd, batch 1:")
+        print(measured.kernel_table(record, length) + "\n")
+    print("The RoPE side:")
+    print(measured.rope_table(record) + "\n")
+    print(f"The calibration kernel on the same H100 (Triton {record['calibration']['software']['triton']}):")
+    print(measured.calibration_table(record))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -210,7 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the stated assumption 8,2,255,0,163840,2)",
     )
     p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument(
+        "--measured",
+        action="store_true",
+        help="print the H100 measurements (gpu_cost/measured_h100.json) beside the model, then exit",
+    )
     args = p.parse_args(argv)
+    if args.measured:
+        print_measured()
+        return 0
     if args.compile:
         print("compiling today's kernels for sm_90 ...", flush=True)
         recorded.save(recorded.compile_kernels())

@@ -1,0 +1,198 @@
+"""What one H100 measured (``measured_h100.json``), set beside the model's ESTIMATE of the same
+quantities: per kernel, per MDLMPE layer, the RoPE side's rates, the calibration kernel, and the
+LLaDA-8B step ratio assembled from the measured pieces.
+
+The record comes from ``benchmarks/bench_attention_gpu.py`` (and ``--calibrate``) run on a lent
+H100; its fields say which command, software and settings. The step ratio is *assembled*, not a
+timed training step: 32 x (one layer's projections and SwiGLU fwd + bwd + their forward again,
+the recompute of gradient checkpointing, + the attention) + the LM head, each measured alone:
+
+- RoPE: SDPA flash fwd + bwd, plus its forward again (it sits inside the checkpointed layer);
+- ``triton`` (the fused kernels): fwd + bwd once (``recompute.attention_outside_checkpoint``);
+- ``triton-pair``: fwd + bwd, plus its forward again (pair kernel and biased SDPA forward: the
+  layer checkpoint recomputes this backend, ``AttentionImpl.keeps_pair_tensors``);
+- norms, embeddings, element-wise ops and the optimizer are left out on both sides (they would
+  lower the ratio a little); the LM head is measured over every position (the run scores only the
+  masked ones, so the real head is cheaper on both sides).
+
+The model's side is computed here, now, from the same code ``estimate_gpu.py`` runs; the pair
+design is costed with the pair kernels' compiled sm_90 resources (``BUILT_PAIR_RESOURCES``), and
+its ``pair_forward`` counts two runs (forward and recompute) where the benchmark timed one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpu_cost import designs, recorded, step
+from gpu_cost.assumptions import SCENARIOS, Scenario
+
+RECORD = Path(__file__).with_name("measured_h100.json")
+#: The pair kernels as built (AOT sm_90, bf16, d_h 128; the query-side backward, the largest:
+#: 8 warps, 1 stage, 255 registers, 216 B spill, 40 KiB shared, 2 barriers per iteration).
+BUILT_PAIR_RESOURCES = "8,1,255,216,40960,2"
+#: Backend name -> (the model's design, the benchmark's method name).
+BACKENDS = {"triton": ("current", "mdlmpe_triton"), "triton-pair": ("pair_bias", "mdlmpe_triton_pair")}
+#: Kernels the benchmark timed once that the model counts twice per layer.
+MODEL_RUNS = {"pair_forward": 2}
+
+
+def load() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+def lengths(record: dict) -> list[int]:
+    return sorted(int(n) for n in record["benchmark"]["lengths"])
+
+
+def _layer_model(design: str, length: int) -> dict[str, designs.LayerEstimate]:
+    rec = recorded.load()
+    res = designs.parse_resources(BUILT_PAIR_RESOURCES) if design == "pair_bias" else None
+    return {s: designs.layer(design, length, Scenario(s), rec, "sdpa", res) for s in SCENARIOS}
+
+
+def kernel_rows(record: dict, backend: str, length: int) -> list[dict]:
+    """Per kernel of ``backend`` at ``length``: measured ms (per fwd + bwd, batch 1), the model's
+    (low, central, high) for the same runs, and measured / central."""
+    design, _ = BACKENDS[backend]
+    measured = record["benchmark"]["lengths"][str(length)]["kernels_ms"][design]
+    model = _layer_model(design, length)
+    rows = []
+    for timing in model["central"].timings:
+        per_run = MODEL_RUNS.get(timing.name, 1)
+        est = tuple(
+            next(t.ms for t in model[s].timings if t.name == timing.name) / per_run for s in SCENARIOS
+        )
+        got = measured.get(timing.name)
+        rows.append(
+            dict(
+                kernel=timing.name,
+                measured=got,
+                model=est,
+                ratio=None if got is None else got / est[1],
+                inside=None if got is None else est[0] <= got <= est[2],
+            )
+        )
+    return rows
+
+
+def measured_step_ratio(record: dict, backend: str, length: int) -> float:
+    """The assembled LLaDA-8B step ratio MDLMPE / RoPE (module docstring), batch 1."""
+    row = record["benchmark"]["lengths"][str(length)]
+    ms, n = row["ms"], step.LLADA["layers"]
+    linear = ms["linear_layer"] + ms["linear_layer_fwd"]
+    rope = n * (linear + ms["rope_flash"] + ms["rope_flash_fwd"]) + ms["lm_head"]
+    design, method = BACKENDS[backend]
+    attention = ms[method]
+    if backend == "triton-pair":
+        kernels = row["kernels_ms"][design]
+        attention += kernels["pair_forward"] + kernels["attn_bias_fwd (sdpa)"]
+    return (n * (linear + attention) + ms["lm_head"]) / rope
+
+
+def model_step_ratio(backend: str, length: int) -> tuple[float, float, float]:
+    """The model's (low, central, high) step ratio against the SDPA flash baseline."""
+    design, _ = BACKENDS[backend]
+    model = _layer_model(design, length)
+    return step.ratio_range({s: model[s].ms for s in SCENARIOS}, "sdpa_flash", length)
+
+
+def rope_side(record: dict, length: int) -> dict[str, tuple[float, tuple[float, ...]]]:
+    """Measured value and the model's (low, central, high) assumption of the RoPE side: SDPA flash
+    forward and backward TFLOP/s, the memory-efficient path with a padding bias (fwd + bwd
+    TFLOP/s), and the MFU of one layer's matmuls (fwd + bwd)."""
+    ms = record["benchmark"]["lengths"][str(length)]["ms"]
+    flops = step.attention_flops(length)
+    hidden, ffn = step.LLADA["hidden"], step.LLADA["ffn"]
+    linear_flops = 6 * (4 * hidden**2 + 3 * hidden * ffn) * length
+    ratio = step.BWD_FLOPS_RATIO
+    scenarios = [Scenario(s) for s in SCENARIOS]
+    return {
+        "SDPA flash forward, TFLOP/s": (
+            flops / (ms["rope_flash_fwd"] * 1e9),
+            tuple(sc["fa2_fwd"] for sc in scenarios),
+        ),
+        "SDPA flash backward, TFLOP/s": (
+            ratio * flops / ((ms["rope_flash"] - ms["rope_flash_fwd"]) * 1e9),
+            tuple(sc["fa2_bwd"] for sc in scenarios),
+        ),
+        "SDPA memory-efficient with a padding bias, fwd + bwd TFLOP/s": (
+            (1 + ratio) * flops / (ms["rope_padded_mea"] * 1e9),
+            tuple((1 + ratio) / (1 / sc["mea_fwd"] + ratio / sc["mea_bwd"]) for sc in scenarios),
+        ),
+        "MFU of a layer's matmuls": (
+            linear_flops / (ms["linear_layer"] * 1e-3) / step.DENSE_BF16_FLOPS,
+            tuple(sc["mfu"] for sc in scenarios),
+        ),
+    }
+
+
+def step_table(record: dict) -> str:
+    """The README's table: assembled measured step ratio beside the model's ESTIMATE."""
+    ns = lengths(record)
+    head = "| LLaDA-8B step ÷ RoPE step (SDPA flash), micro-batch 1, bf16, checkpointing on | " + " | ".join(
+        f"L = {n}" for n in ns
+    )
+    lines = [head + " |", "|---" * (len(ns) + 1) + "|"]
+    for backend in BACKENDS:
+        got = " | ".join(f"{measured_step_ratio(record, backend, n):.2f}×" for n in ns)
+        lines.append(f"| `{backend}`, measured on one H100 (assembled) | {got} |")
+        est = " | ".join("{1:.2f}× ({0:.2f}–{2:.2f})".format(*model_step_ratio(backend, n)) for n in ns)
+        lines.append(f"| `{backend}`, the model's ESTIMATE, central (low–high) | {est} |")
+    return "\n".join(lines)
+
+
+def kernel_table(record: dict, length: int) -> str:
+    """docs/gpu.md's per-kernel table at ``length``: measured, the model, measured / central."""
+    lines = [
+        "| backend | kernel | measured ms | model ESTIMATE ms, central (low–high) | measured ÷ central |",
+        "|---|---|---|---|---|",
+    ]
+    for backend in BACKENDS:
+        for row in kernel_rows(record, backend, length):
+            if row["measured"] is None:
+                continue
+            low, central, high = row["model"]
+            lines.append(
+                f"| `{backend}` | {row['kernel']} | {row['measured']:.2f} | "
+                f"{central:.2f} ({low:.2f}–{high:.2f}) | {row['ratio']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def rope_table(record: dict) -> str:
+    """docs/gpu.md's table of the RoPE side: measured against the model's assumption."""
+    ns = lengths(record)
+    lines = [
+        "| quantity | " + " | ".join(f"L = {n}" for n in ns) + " | assumed low / central / high |",
+        "|---" * (len(ns) + 2) + "|",
+    ]
+    sides = {n: rope_side(record, n) for n in ns}
+    for name, (_, assumed) in sides[ns[0]].items():
+        fmt = ".2f" if name.startswith("MFU") else ".0f"
+        got = " | ".join(format(sides[n][name][0], fmt) for n in ns)
+        lines.append(f"| {name} | {got} | " + " / ".join(format(a, fmt) for a in assumed) + " |")
+    return "\n".join(lines)
+
+
+def calibration_table(record: dict) -> str:
+    """docs/gpu.md's table: the calibration kernel measured on the H100 against the published
+    figure the model was fitted to."""
+    rows = record["calibration"]["rows"]
+    return "\n".join(
+        [
+            "| S | " + " | ".join(str(r["length"]) for r in rows) + " |",
+            "|---" * (len(rows) + 1) + "|",
+            "| published (PR 2391), TFLOP/s | " + " | ".join(f"{r['published']:.0f}" for r in rows) + " |",
+            "| measured, tutorial's central setting | "
+            + " | ".join(f"{r['central']:.0f}" for r in rows)
+            + " |",
+            "| measured, fastest setting of its space | "
+            + " | ".join(f"{r['best']:.0f}" for r in rows)
+            + " |",
+            "| measured central ÷ published | "
+            + " | ".join(f"{r['central'] / r['published']:.2f}" for r in rows)
+            + " |",
+        ]
+    )
