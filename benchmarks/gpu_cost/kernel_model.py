@@ -101,6 +101,9 @@ class Launch:
     prologue: Work = field(default_factory=Work)
     runs: int = 1
     note: str = ""
+    #: The load latency an iteration waits on when nothing hides it: "l2_latency" (operands that
+    #: stay in L2) or "hbm_latency" (a stream read once, e.g. a [H, L, L] gradient from HBM).
+    latency: str = "l2_latency"
 
 
 @dataclass
@@ -177,11 +180,14 @@ def overlapped(pipes: dict[str, float], warps_per_scheduler: float, sc: Scenario
     return top + sc["non_overlap"] / max(1.0, warps_per_scheduler) * rest
 
 
-def round_cycles(cycles: float, res: Resources, ctas: int, sc: Scenario) -> float:
+def round_cycles(
+    cycles: float, res: Resources, ctas: int, sc: Scenario, latency: str = "l2_latency"
+) -> float:
     """SM cycles for each of ``ctas`` resident CTAs to run one iteration (``cycles`` of SM
-    throughput each): throughput, or one CTA's critical path (its work, its barriers, the L2
-    latency that ``stages - 1`` iterations of prefetch across the resident CTAs do not hide)."""
-    exposed = max(0.0, sc["l2_latency"] - (res.stages - 1) * ctas * cycles)
+    throughput each): throughput, or one CTA's critical path (its work, its barriers, the load
+    latency (``latency``: L2 or HBM) that ``stages - 1`` iterations of prefetch across the resident
+    CTAs do not hide)."""
+    exposed = max(0.0, sc[latency] - (res.stages - 1) * ctas * cycles)
     return max(ctas * cycles, cycles + res.barriers * sc["barrier_clk"] + exposed)
 
 
@@ -204,7 +210,8 @@ def launch_time(launch: Launch, sc: Scenario) -> Timing:
         per_iter = overlapped(pipes, res.warps * resident / 4, sc)
         pro = pipe_cycles(launch.prologue, res, resident, sc)
         prologue = overlapped(pro, res.warps * resident / 4, sc) * resident + sc["hbm_latency"]
-        cycles += count * (launch.iters * round_cycles(per_iter, res, resident, sc) + prologue)
+        per_round = round_cycles(per_iter, res, resident, sc, launch.latency)
+        cycles += count * (launch.iters * per_round + prologue)
     compute_s = cycles / sc.clock_hz
     hbm_s = launch.hbm_bytes / (sc["hbm_tbs"] * 1e12)
     seconds = max(compute_s, hbm_s)

@@ -15,9 +15,10 @@ the recompute of gradient checkpointing, + the attention) + the LM head, each me
   lower the ratio a little); the LM head is measured over every position (the run scores only the
   masked ones, so the real head is cheaper on both sides).
 
-The model's side is computed here, now, from the same code ``estimate_gpu.py`` runs; the pair
-design is costed with the pair kernels' compiled sm_90 resources (``BUILT_PAIR_RESOURCES``), and
-its ``pair_forward`` counts two runs (forward and recompute) where the benchmark timed one.
+The model's side is computed here, now, from the same code ``estimate_gpu.py`` runs: the fused
+kernels from their recorded compile; ``triton-pair`` as built (``pair_built``: its own grids, its
+compiled sm_90 resources ``BUILT_PAIR_RESOURCES``), each kernel once per fwd + bwd as timed, and
+for the step its forward once more (the recompute).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpu_cost import designs, recorded, step
+from gpu_cost import designs, pair_built, recorded, step
 from gpu_cost.assumptions import SCENARIOS, Scenario
 
 RECORD = Path(__file__).with_name("measured_h100.json")
@@ -34,8 +35,8 @@ RECORD = Path(__file__).with_name("measured_h100.json")
 BUILT_PAIR_RESOURCES = "8,1,255,216,40960,2"
 #: Backend name -> (the model's design, the benchmark's method name).
 BACKENDS = {"triton": ("current", "mdlmpe_triton"), "triton-pair": ("pair_bias", "mdlmpe_triton_pair")}
-#: Kernels the benchmark timed once that the model counts twice per layer.
-MODEL_RUNS = {"pair_forward": 2}
+#: Kernels of triton-pair that run again in the recompute of a checkpointed layer.
+RECOMPUTED = ("pair_forward", "attn_bias_fwd (sdpa)")
 
 
 def load() -> dict:
@@ -47,9 +48,12 @@ def lengths(record: dict) -> list[int]:
 
 
 def _layer_model(design: str, length: int) -> dict[str, designs.LayerEstimate]:
+    """The model of the kernels as they run in the benchmark, per scenario (fwd + bwd)."""
     rec = recorded.load()
-    res = designs.parse_resources(BUILT_PAIR_RESOURCES) if design == "pair_bias" else None
-    return {s: designs.layer(design, length, Scenario(s), rec, "sdpa", res) for s in SCENARIOS}
+    if design == "pair_bias":
+        res = designs.parse_resources(BUILT_PAIR_RESOURCES)
+        return {s: pair_built.built_layer(length, Scenario(s), rec, res) for s in SCENARIOS}
+    return {s: designs.layer(design, length, Scenario(s), rec) for s in SCENARIOS}
 
 
 def kernel_rows(record: dict, backend: str, length: int) -> list[dict]:
@@ -60,10 +64,7 @@ def kernel_rows(record: dict, backend: str, length: int) -> list[dict]:
     model = _layer_model(design, length)
     rows = []
     for timing in model["central"].timings:
-        per_run = MODEL_RUNS.get(timing.name, 1)
-        est = tuple(
-            next(t.ms for t in model[s].timings if t.name == timing.name) / per_run for s in SCENARIOS
-        )
+        est = tuple(next(t.ms for t in model[s].timings if t.name == timing.name) for s in SCENARIOS)
         got = measured.get(timing.name)
         rows.append(
             dict(
@@ -95,7 +96,11 @@ def model_step_ratio(backend: str, length: int) -> tuple[float, float, float]:
     """The model's (low, central, high) step ratio against the SDPA flash baseline."""
     design, _ = BACKENDS[backend]
     model = _layer_model(design, length)
-    return step.ratio_range({s: model[s].ms for s in SCENARIOS}, "sdpa_flash", length)
+    layer = {s: model[s].ms for s in SCENARIOS}
+    if backend == "triton-pair":  # the checkpoint recomputes its forward
+        for s in SCENARIOS:
+            layer[s] += sum(t.ms for t in model[s].timings if t.name in RECOMPUTED)
+    return step.ratio_range(layer, "sdpa_flash", length)
 
 
 def rope_side(record: dict, length: int) -> dict[str, tuple[float, tuple[float, ...]]]:
