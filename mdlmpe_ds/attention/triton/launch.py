@@ -242,12 +242,13 @@ def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> Pa
 
     - 8 x 16 tiles, 8 warps: the forward and the key-side backward compile without spills; the
       query-side backward, which holds the phase MLP's hidden layer and its gradient through the
-      head loop (like the fused ``phase_bwd_kernel``), spills 216 B per thread at d_h 128 (none
-      at 64). Measured alternatives at d_h 128: 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps
-      3,224 B; 8 x 16 / 4 warps 1,048 B; 16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice
-      the programs reloading A, D and the pair components); 8 x 16 / 16 warps 96 B. On sm_80 the
-      same settings spill 736 / 1,608 B there (d_h 64 / 128; its tile products keep operands in
-      registers): sm_90 is the target these settings were chosen for.
+      head loop (like the fused ``phase_bwd_kernel``), spills 224 B per thread at d_h 128 (none
+      at 64; 216 before its key loop was split). Measured alternatives at d_h 128 (before the
+      split): 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps 3,224 B; 8 x 16 / 4 warps 1,048 B;
+      16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice the programs reloading A, D and the
+      pair components); 8 x 16 / 16 warps 96 B. On sm_80 the same settings spill 736 / 1,624 B
+      there (d_h 64 / 128; its tile products keep operands in registers): sm_90 is the target
+      these settings were chosen for.
     - pairs in chunks of 16 (the smallest tile product), one pipelining stage.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
