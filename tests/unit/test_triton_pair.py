@@ -29,7 +29,10 @@ import pytest
 import torch
 from test_attention_shapes import OUTPUTS, Case, _check, _inputs, poisoned_allocations
 
-#: launch: 'tile=N' (N x N tiles, pairs in chunks of 2), 'sm90' (what the launcher picks on an H100).
+#: launch: 'tile=N' (N x N tiles, pairs in chunks of 2; the backward's loop splits chosen per call,
+#: ``launch.pair_backward_splits``: 2 to 3 here), 'tile=N,keys=S,rows=R' (the same with S key
+#: splits for the query side, R row splits for the key side), 'sm90' (what the launcher picks on an
+#: H100).
 PAIR_CASES = [
     # L = 48 at tile 32; batch 3, ragged padding, the last sequence all padding; GQA 2:1.
     Case(48, pads=(0, 5, -1), hq=4, hkv=2, launch="tile=32"),
@@ -40,6 +43,13 @@ PAIR_CASES = [
     # the sm_90 launch settings (8 x 16 tiles, chunk 16) at L = 42: the last row and key tiles ragged.
     Case(42, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
 ]
+#: The backward's split loops forced: L = 52 at tile 8 is 7 row and 7 key tiles; 3 splits are
+#: 3 + 3 + 1 tiles (the last split ragged, its last tile too), 1 split the whole loop. Batch 2 with
+#: padding, GQA 2:1 (the key side's partials summed over both query heads of a KV head).
+SPLIT_CASES = [
+    Case(52, pads=(0, 9), hq=4, hkv=2, launch="tile=8,keys=3,rows=3"),
+    Case(52, pads=(4, 0), hq=4, hkv=2, launch="tile=8,keys=1,rows=1"),
+]
 #: ``make test-all`` (marker ``slow``): the sm_90 settings at L = 272 (~90 s on an idle core).
 SLOW_CASES = [Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90")]
 
@@ -49,8 +59,10 @@ def _launch(case: Case):
 
     if case.launch == "sm90":
         return pair_launch_config(case.head_dim, getattr(torch, case.dtype), 90)
-    tile = int(case.launch.removeprefix("tile="))
-    return PairLaunchConfig(tile_m=tile, tile_n=tile, pair_chunk=2)
+    tile, *splits = case.launch.removeprefix("tile=").split(",")
+    forced = {"keys": "key_splits", "rows": "row_splits"}
+    extra = {forced[k]: int(v) for k, v in (item.split("=") for item in splits)}
+    return PairLaunchConfig(tile_m=int(tile), tile_n=int(tile), pair_chunk=2, **extra)
 
 
 def compare_pair(case: Case) -> dict[str, float]:
@@ -99,6 +111,66 @@ def pair_results() -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: c.name)
 def test_pair_bias_matches_reference(pair_results, case):
     _check(case, pair_results[case.name])
+
+
+@pytest.fixture(scope="module")
+def split_results() -> dict[str, dict[str, float]]:
+    return _interpret(SPLIT_CASES)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+def test_split_backward_matches_reference(split_results, case):
+    _check(case, split_results[case.name])
+
+
+def test_split_cases_reach_a_ragged_last_split_and_one_split():
+    from mdlmpe_ds.attention.triton.launch import pair_backward_splits
+
+    seen = []
+    for case in SPLIT_CASES:
+        config = _launch(case)
+        splits = pair_backward_splits(
+            config, length=case.length, batch=2, num_heads=4, num_kv=2, num_pairs=2, bias_itemsize=4, sms=132
+        )
+        tiles = math.ceil(case.length / config.tile_m)
+        assert tiles == math.ceil(case.length / config.tile_n) == 7 and case.length % config.tile_m
+        seen.append((splits["q"], splits["k"]))
+    assert seen == [((3, 3), (3, 3)), ((1, 7), (1, 7))]  # 3 + 3 + 1 tiles; the whole loop
+
+
+def test_backward_splits_fill_the_gpu_within_the_slot_bound():
+    """The rule of ``pair_backward_splits`` at LLaDA-8B's shapes (Hq = Hkv = 32, |M| = 32, bf16)
+    on an H100 (132 SMs): >= 4 waves of programs where the slot bound allows, never more fp32
+    partial bytes than 1/8 of the bias and its gradient per kernel, no empty split, forced
+    values taken as given."""
+    from mdlmpe_ds.attention.triton.launch import (
+        PAIR_SLOT_FRACTION,
+        PairLaunchConfig,
+        pair_backward_splits,
+        split_loop,
+    )
+
+    config = PairLaunchConfig()
+    got = {}
+    for length in (1024, 2048, 4096, 8192):
+        for batch in (1, 4):
+            shape = dict(length=length, batch=batch, num_heads=32, num_kv=32, num_pairs=32)
+            splits = pair_backward_splits(config, **shape, bias_itemsize=2, sms=132)
+            bias_bytes = batch * 2 * 32 * length**2 * 2
+            for side, tile, loop_tile in (("q", 8, 16), ("k", 16, 8)):
+                parts, per = splits[side]
+                loop = math.ceil(length / loop_tile)
+                assert (parts - 1) * per < loop <= parts * per  # every part has tiles
+                assert parts * batch * 32 * length * 64 * 4 <= PAIR_SLOT_FRACTION * bias_bytes
+                programs = parts * batch * math.ceil(length / tile)
+                capped = (parts + 1) * batch * 32 * length * 64 * 4 > PAIR_SLOT_FRACTION * bias_bytes
+                assert programs >= 4 * 132 or capped
+            got[length, batch] = (splits["q"][0], splits["k"][0])
+    assert got[1024, 1] == (2, 2) and got[2048, 1] == (3, 4) and got[4096, 1] == (2, 3)  # docstring
+    assert got[8192, 1] == (1, 2) and got[4096, 4] == (1, 1)
+    forced = PairLaunchConfig(key_splits=5, row_splits=2000)
+    splits = pair_backward_splits(forced, **shape, bias_itemsize=2, sms=132)
+    assert splits == {"q": split_loop(512, 5), "k": (1024, 1)} and split_loop(512, 5) == (5, 103)
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ from mdlmpe_ds.attention.triton.launch import (
 )
 from mdlmpe_ds.pe.phase import mdlmpe_pairs
 
-_INTS = {"L", "LP", "R0", "RB", "KSPAN", "SYM", "HQ", "HKV", "F", "HID", "NM"}
+_INTS = {"L", "LP", "R0", "RB", "KSPAN", "SYM", "HQ", "HKV", "F", "HID", "NM", "SPLIT_TILES"}
 _FLOATS = {"tau_max", "clip_kappa", "scale"}
 _DIVISIBLE_INTS = {"L", "LP", "R0", "RB", "KSPAN"}
 # Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32.

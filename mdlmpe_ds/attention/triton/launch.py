@@ -218,16 +218,21 @@ PAIR_KERNELS = ("pair_forward", "pair_backward_q", "pair_backward_k")
 class PairLaunchConfig:
     """Static launch parameters of the pair-bias kernels: a ``tile_m`` x ``tile_n`` (i, j) tile per
     program or loop step (its [tile_m tile_n, F] MLP input and [tile_m, tile_n, pair_chunk]
-    alpha, beta live in registers; the forward's grid is (L / tile_m, L / tile_n), the backward's
-    query side L / tile_m programs, its key side L / tile_n), ``pair_chunk`` MDLMPE pairs per chunk
-    of the MLP's output layer (>= 16 on a GPU: a tile product), ``num_warps`` and
-    ``max_registers`` (PTX ``.maxnreg``)."""
+    alpha, beta live in registers; the forward's grid is (L / tile_m, L / tile_n, B), the
+    backward's query side (L / tile_m, key splits, B), its key side (L / tile_n, row splits, B)),
+    ``pair_chunk`` MDLMPE pairs per chunk of the MLP's output layer (>= 16 on a GPU: a tile
+    product), ``num_warps`` and ``max_registers`` (PTX ``.maxnreg``). ``key_splits`` /
+    ``row_splits``: how many parts the backward's query-side key loop / key-side row loop is cut
+    into; 0 (the default) lets ``pair_backward_splits`` choose per call, a positive value is taken
+    as given (tests, sweeps)."""
 
     tile_m: int = 8
     tile_n: int = 16
     pair_chunk: int = 16
     num_warps: int = 8
     max_registers: int = 255
+    key_splits: int = 0
+    row_splits: int = 0
 
 
 def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> PairLaunchConfig:
@@ -237,12 +242,13 @@ def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> Pa
 
     - 8 x 16 tiles, 8 warps: the forward and the key-side backward compile without spills; the
       query-side backward, which holds the phase MLP's hidden layer and its gradient through the
-      head loop (like the fused ``phase_bwd_kernel``), spills 216 B per thread at d_h 128 (none
-      at 64). Measured alternatives at d_h 128: 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps
-      3,224 B; 8 x 16 / 4 warps 1,048 B; 16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice
-      the programs reloading A, D and the pair components); 8 x 16 / 16 warps 96 B. On sm_80 the
-      same settings spill 736 / 1,608 B there (d_h 64 / 128; its tile products keep operands in
-      registers): sm_90 is the target these settings were chosen for.
+      head loop (like the fused ``phase_bwd_kernel``), spills 224 B per thread at d_h 128 (none
+      at 64; 216 before its key loop was split). Measured alternatives at d_h 128 (before the
+      split): 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps 3,224 B; 8 x 16 / 4 warps 1,048 B;
+      16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice the programs reloading A, D and the
+      pair components); 8 x 16 / 16 warps 96 B. On sm_80 the same settings spill 736 / 1,624 B
+      there (d_h 64 / 128; its tile products keep operands in registers): sm_90 is the target
+      these settings were chosen for.
     - pairs in chunks of 16 (the smallest tile product), one pipelining stage.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -279,6 +285,79 @@ def pair_constexprs(
         PREC="ieee" if dtype == torch.float32 else "tf32",
         POLY=abs(tau_max) <= POLY_TAU_MAX,
     )
+
+
+#: Waves of programs (multiples of the GPU's SM count) the split backward kernels aim for.
+PAIR_WAVES = 4
+#: Bound on each backward kernel's fp32 partial pair gradients, as a fraction of the bias and its
+#: gradient (2 Hq L^2 elements of the attention's dtype per sequence) that the backend keeps anyway.
+PAIR_SLOT_FRACTION = 1 / 8
+#: SM count used where there is no CUDA device (the interpreter): an H100 SXM's.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; ``DEFAULT_SM_COUNT`` elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_loop(tiles: int, splits: int) -> tuple[int, int]:
+    """Cut a loop over ``tiles`` tiles into at most ``splits`` parts of equal length (the last one
+    shorter when they do not divide): (parts, tiles per part), no part empty."""
+    per = -(-tiles // max(1, min(splits, tiles)))
+    return -(-tiles // per), per
+
+
+def pair_backward_splits(
+    config: PairLaunchConfig,
+    *,
+    length: int,
+    batch: int,
+    num_heads: int,
+    num_kv: int,
+    num_pairs: int,
+    bias_itemsize: int,
+    sms: int,
+) -> dict[str, tuple[int, int]]:
+    """How the backward kernels' serial loops are cut: {"q": (key splits, key tiles per split),
+    "k": (row splits, row tiles per split)} (``split_loop``).
+
+    Why: without splits the query side has L / tile_m x B programs, each over all L / tile_n key
+    tiles, and the key side L / tile_n x B programs (128 at L = 2048, batch 1: less than one per
+    SM of an H100) each over all row tiles; a program's loop is a long dependent chain (load,
+    phase MLP, pair arithmetic) whose latency few warps per SM cannot hide, and a grid of about
+    one wave leaves SMs idle at its end. Rule: the smallest split count giving ``PAIR_WAVES``
+    waves (programs >= 4 x SMs, so the grid is cut into programs short enough that the last wave
+    is a small part of the time, and as many CTAs as fit beside one another on an SM have work),
+    capped so that each kernel's fp32 partial pair gradients, splits x B x H x L x 2 |M| x 4 bytes
+    (H = Hq for the query side, Hkv for the key side), stay within ``PAIR_SLOT_FRACTION`` of the
+    bias and its gradient (B x 2 Hq L^2 x itemsize bytes). For LLaDA-8B (Hq = Hkv = 32,
+    |M| = 32, bf16) one split's slots are 64 / L of the bias memory, so at most L / 512 splits:
+    L = 1024 gets 2 / 2 (query / key side), 2048 gets 3 / 4, 4096 gets 2 / 3 (key side: 96 MiB
+    of slots, 2 GiB of bias and gradient). The partials are summed in torch in split order: a
+    deterministic backward. ``config.key_splits`` / ``row_splits`` > 0 are taken as given.
+
+    What splits alone cannot do: raise the warps resident per SM. That is set by registers: at
+    these settings (sm_90, d_h 128, 8 warps) the query side uses 255 registers per thread and the
+    key side 166, so one CTA (8 warps) fits an SM's 64 K registers either way; more waves then
+    keep every SM busy to the end but hide no more latency. Two CTAs per SM need <= 128
+    registers (the key side at ``.maxnreg`` 128 compiles with 32 B of spill per thread).
+    """
+    bias_bytes = batch * 2 * num_heads * length**2 * bias_itemsize
+    out = {}
+    for side, programs, loop, heads, forced in (
+        ("q", -(-length // config.tile_m), -(-length // config.tile_n), num_heads, config.key_splits),
+        ("k", -(-length // config.tile_n), -(-length // config.tile_m), num_kv, config.row_splits),
+    ):
+        splits = forced
+        if splits <= 0:
+            slot_bytes = batch * heads * length * 2 * num_pairs * 4
+            splits = -(-PAIR_WAVES * sms // (programs * batch))
+            splits = min(splits, max(1, int(PAIR_SLOT_FRACTION * bias_bytes // slot_bytes)))
+        out[side] = split_loop(loop, splits)
+    return out
 
 
 def pair_kernel_options(config: PairLaunchConfig) -> dict[str, object]:

@@ -11,12 +11,17 @@ B = E * scale + key bias, and its gradient dB is the gradient of the logits:
   math path;
 - ``pair_bias_bwd_q_kernel`` / ``pair_bias_bwd_k_kernel`` fold dE = dB * scale into the pair
   components of dq, dk and, through dE/d delta summed over the heads in registers, into the
-  phase MLP's gradients: one slot per program, summed in torch, no atomics between programs
-  (a deterministic backward).
+  phase MLP's gradients. Each kernel's loop over the other side's tiles is cut into splits
+  (``launch.pair_backward_splits``; grids (L / tile_m, key splits, B) and (L / tile_n, row
+  splits, B)) so that batch 1 fills the GPU: each split writes fp32 partials of dq, dk pairs and
+  each query-side program its own MLP-gradient slot, summed here in torch in a fixed order; no
+  atomics between programs (a deterministic backward).
 
 Memory: B is kept by SDPA for its backward and dB lives during it: H_q L^2 elements each, in the
 attention's dtype, per sequence and layer. Layer checkpointing therefore recomputes this backend
-with the layer (``AttentionImpl.keeps_pair_tensors``): one layer's B and dB at a time.
+with the layer (``AttentionImpl.keeps_pair_tensors``): one layer's B and dB at a time. The
+backward adds its fp32 partials, splits x B x H x L x 2 |M| x 4 bytes per kernel, each bounded to
+1/8 of B and dB (LLaDA-8B at L = 4096, batch 1: 64 + 96 MiB against 2 GiB).
 
 Precision: E is accumulated in fp32 and stored, scaled and with the key-padding bias folded in,
 in the attention's dtype (bf16 in bf16 training). SDPA's fused kernels take a bias in the query's
@@ -37,9 +42,11 @@ from mdlmpe_ds.attention.triton.backend import check_triton_available
 from mdlmpe_ds.attention.triton.launch import (
     PairLaunchConfig,
     device_capability,
+    pair_backward_splits,
     pair_constexprs,
     pair_kernel_options,
     pair_launch_config,
+    sm_count,
 )
 from mdlmpe_ds.attention.triton.plan import interpreting
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
@@ -94,24 +101,38 @@ class _PairBias(torch.autograd.Function):
         q_shape, k_shape, pairs, dims, consts, meta, config = ctx.settings
         dbias = dbias.contiguous()
         batch, length = q_shape[0], q_shape[2]
+        splits = pair_backward_splits(
+            config,
+            length=length,
+            batch=batch,
+            num_heads=q_shape[1],
+            num_kv=k_shape[1],
+            num_pairs=len(pairs),
+            bias_itemsize=dbias.element_size(),
+            sms=sm_count(dbias.device),
+        )
+        (key_splits, key_tiles), (row_splits, row_tiles_each) = splits["q"], splits["k"]
         f32 = dict(dtype=torch.float32, device=dbias.device)
-        dqpair = torch.zeros(qpair.shape, **f32)  # each row tile's program adds its own rows
-        dkpair = torch.zeros(kpair.shape, **f32)  # each key tile's program adds its own keys
+        # Partial pair gradients [splits, B, H, L, 2 |M|]: each program adds to its own rows (query
+        # side) or keys (key side) of its split's part only; the parts are summed below.
+        dqpair = torch.zeros(key_splits, *qpair.shape, **f32)
+        dkpair = torch.zeros(row_splits, *kpair.shape, **f32)
         row_tiles = math.ceil(length / config.tile_m)
-        slots = row_tiles * batch  # one per program of the query-side kernel
+        slots = row_tiles * key_splits * batch  # one per program of the query-side kernel
         dw1 = torch.empty(slots, *w1.shape, **f32)
         db1 = torch.empty(slots, *b1.shape, **f32)
         dw2 = torch.zeros(slots, *w2.shape, **f32)
         db2 = torch.zeros(slots, *b2.shape, **f32)
         mlp = (A, D, w1, b1, w2, b2)
-        kern.pair_bias_bwd_q_kernel[(row_tiles, batch)](
-            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, **meta
+        kern.pair_bias_bwd_q_kernel[(row_tiles, key_splits, batch)](
+            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles, **meta
         )
-        kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), batch)](
-            *mlp, qpair, dbias, dkpair, *dims, *consts, **meta
+        kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), row_splits, batch)](
+            *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each, **meta
         )
-        dq = _scatter_pairs(dqpair, pairs, q_shape)
-        dk = _scatter_pairs(dkpair, pairs, k_shape)
+        # torch's reductions over a dimension add in a fixed order on every device: deterministic.
+        dq = _scatter_pairs(dqpair.sum(0), pairs, q_shape)
+        dk = _scatter_pairs(dkpair.sum(0), pairs, k_shape)
         return dq, dk, None, None, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 5
 
 

@@ -13,21 +13,34 @@ registers and loops over the heads itself, so nothing of size |M| L^2 is ever wr
   beta of the tile, then per query head E = sum_m alpha C + beta S (fp32) and the bias
   E * scale + key bias, stored in the attention's dtype into bias [B, Hq, L, L]. A flash-class
   attention with that additive bias gives the MDLMPE output and returns its gradient dBias.
-- ``pair_bias_bwd_q_kernel`` (grid: row tiles, sequences; loop over key tiles): per tile alpha,
-  beta again, per head dE = dBias * scale folded into the query pair gradient (this program's
-  rows only: atomics from one program, a fixed order) and into dE/d delta summed over the heads
-  in registers; then, still in registers, back through tau * tanh and the MLP; the MLP gradients
-  go to this program's own slot, summed in torch (a fixed order: deterministic).
-- ``pair_bias_bwd_k_kernel`` (grid: key tiles, sequences; loop over row tiles): the key pair
-  gradient, summed over the query heads of each KV head in registers, into this program's keys.
-No program adds to memory another program writes: the backward is deterministic on a GPU.
+- ``pair_bias_bwd_q_kernel`` (grid: row tiles, key splits, sequences; loop over the key tiles of
+  its split): per tile alpha, beta again, per head dE = dBias * scale folded into the query pair
+  gradient (this program's rows of its split's partial dqpair only: atomics from one program, a
+  fixed order) and into dE/d delta summed over the heads in registers; then, still in registers,
+  back through tau * tanh and the MLP; the MLP gradients go to this program's own slot.
+- ``pair_bias_bwd_k_kernel`` (grid: key tiles, row splits, sequences; loop over the row tiles of
+  its split): the key pair gradient, summed over the query heads of each KV head in registers,
+  into this program's keys of its split's partial dkpair.
+No program adds to memory another program writes, and the wrapper sums the partials and slots in
+torch in a fixed order: the backward is deterministic on a GPU.
+
+Why split loops: without them a backward program loops over all L / tile positions of the other
+side, and the key side has only L / 16 programs per sequence (128 at L = 2048: about one per SM of
+an H100). Cutting each loop into S splits (``launch.pair_backward_splits``: >= 4 waves of
+programs where the memory bound allows; SPLIT_TILES tiles per split, the last split shorter when S
+does not divide the tiles) multiplies the programs by S and divides each one's loop by S. The
+cost: S fp32 partials of the pair gradients, S x |qpair| and S x |kpair| elements (bounded there
+to 1/8 of the bias and its gradient each; at L = 4096, batch 1, LLaDA-8B: 2 x 32 MiB and
+3 x 32 MiB, against 2 GiB of bias and gradient), and S x the MLP slots (S x L / tile_m x B of
+them, 12.5 KB each at d_h 128 and the default hidden width 32).
 
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, L, 2 NM], kpair [B, Hkv, L, 2 NM] in the
 model dtype (component 0 of pair m, dim 2m + 1, at 2m; component 1, dim F + 2m + 1, at 2m + 1:
 a copy, exact); bias, dbias [B, Hq, L, L] in the model dtype; kbias [B, L] fp32 (0 or the
-dtype's finfo.min); dqpair [B, Hq, L, 2 NM] and dkpair [B, Hkv, L, 2 NM] fp32 (zeroed); A, D
-[B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32; MLP-gradient slots dw1 [S, H, F],
-db1 [S, H] (written), dw2 [S, NM, H], db2 [S, NM] (zeroed). Query head h reads KV head h // REP.
+dtype's finfo.min); the partials dqpair [key splits, B, Hq, L, 2 NM] and dkpair [row splits, B,
+Hkv, L, 2 NM] fp32 (zeroed); A, D [B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32;
+MLP-gradient slots (one per query-side program: P = row tiles x key splits x B) dw1 [P, H, F],
+db1 [P, H] (written), dw2 [P, NM, H], db2 [P, NM] (zeroed). Query head h reads KV head h // REP.
 Rows and keys past L are masked on load (A = 0, D = 1, pair components 0) and never stored.
 
 Gradients of E for pair m (C = q1 k1 + q2 k2, S = q2 k1 - q1 k2; kernels.py): dE/dq1 = alpha k1 -
@@ -173,6 +186,7 @@ def pair_bias_bwd_q_kernel(
     scale,
     tau_max,
     clip_kappa,
+    SPLIT_TILES,
     REP: tl.constexpr,
     FP: tl.constexpr,
     HP: tl.constexpr,
@@ -183,12 +197,18 @@ def pair_bias_bwd_q_kernel(
     PREC: tl.constexpr,
     POLY: tl.constexpr,
 ):
-    """For one row tile, over every key tile: the query pair gradients of every head, dE/d delta
-    summed over the heads, and the phase MLP's backward, into this program's slot
-    (b * row tiles + row tile)."""
+    """For one row tile, over the SPLIT_TILES key tiles of its split (the last split's may be
+    fewer): the query pair gradients of every head into the split's partial dqpair, dE/d delta
+    summed over the heads, and the phase MLP's backward into this program's MLP slot
+    ((split * B + b) * row tiles + row tile)."""
     pid = tl.program_id(0)
-    b = tl.program_id(1)
-    slot = b * tl.num_programs(0) + pid
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    part = split * tl.num_programs(2) + b  # [S, B] -> S * B: this split's part of dqpair
+    slot = part * tl.num_programs(0) + pid
+    dq_part = dqpair + part.to(tl.int64) * (HQ * L * 2 * NM)  # [Hq, L, 2 NM]
+    key_start = split * SPLIT_TILES * BN
+    key_end = tl.minimum(key_start + SPLIT_TILES * BN, L)
     rows = pid * BM + tl.arange(0, BM)
     row_ok = rows < L
     f = tl.arange(0, FP)
@@ -198,7 +218,7 @@ def pair_bias_bwd_q_kernel(
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
     dw1_acc = tl.zeros((HP, FP), tl.float32)
     db1_acc = tl.zeros((HP,), tl.float32)
-    for start in range(0, L, BN):
+    for start in range(key_start, key_end, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < L
         a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
@@ -226,7 +246,7 @@ def pair_bias_bwd_q_kernel(
                 v2 = ga * k2 + gb * k1
                 dq1 = tl.sum(v1, axis=1)  # [BM, MC]
                 dq2 = tl.sum(v2, axis=1)
-                _pair_store(dqpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok, dq1, dq2)
+                _pair_store(dq_part, 0, h, rows, m, HQ, L, NM, row_ok, m_ok, dq1, dq2)
                 dd += q2 * (ds * k1 + v1) - q1 * (ds * k2 + v2)
             # 2. Back through delta = tau tanh(W2 hid + b2): this chunk's W2 rows, b2 and hid.
             d_out = tl.reshape(dd, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
@@ -268,6 +288,7 @@ def pair_bias_bwd_k_kernel(
     scale,
     tau_max,
     clip_kappa,
+    SPLIT_TILES,
     REP: tl.constexpr,
     FP: tl.constexpr,
     HP: tl.constexpr,
@@ -278,16 +299,22 @@ def pair_bias_bwd_k_kernel(
     PREC: tl.constexpr,
     POLY: tl.constexpr,
 ):
-    """For one key tile, over every row tile: the key pair gradient of every KV head, P^T z_q
-    summed over the rows and the REP query heads that read it, added to this program's keys."""
+    """For one key tile, over the SPLIT_TILES row tiles of its split (the last split's may be
+    fewer): the key pair gradient of every KV head, P^T z_q summed over those rows and the REP
+    query heads that read it, added to this program's keys in the split's partial dkpair."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    b = tl.program_id(1)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    part = split * tl.num_programs(2) + b  # [S, B] -> S * B: this split's part of dkpair
+    dk_part = dkpair + part.to(tl.int64) * (HKV * L * 2 * NM)  # [Hkv, L, 2 NM]
+    row_start = split * SPLIT_TILES * BM
+    row_end = tl.minimum(row_start + SPLIT_TILES * BM, L)
     col_ok = cols < L
     f = tl.arange(0, FP)
     f_ok = f < F
     a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
-    for start in range(0, L, BM):
+    for start in range(row_start, row_end, BM):
         rows = start + tl.arange(0, BM)
         row_ok = rows < L
         a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
@@ -311,4 +338,4 @@ def pair_bias_bwd_k_kernel(
                     gb = ds * be
                     dk1 += tl.sum(ga * q1 + gb * q2, axis=0)  # [BN, MC]
                     dk2 += tl.sum(ga * q2 - gb * q1, axis=0)
-                _pair_store(dkpair, b, kv, cols, m, HKV, L, NM, col_ok, m_ok, dk1, dk2)
+                _pair_store(dk_part, 0, kv, cols, m, HKV, L, NM, col_ok, m_ok, dk1, dk2)
