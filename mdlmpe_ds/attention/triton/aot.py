@@ -77,15 +77,17 @@ class KernelResources:
 
     def line(self) -> str:
         c = self.config
+        cap = c.max_registers
         if self.kernel in PAIR_KERNELS:
             shape = f"tile={c.tile_m}x{c.tile_n} chunk={c.pair_chunk} warps={c.num_warps}"
+            cap = pair_kernel_options(c, self.kernel)["maxnreg"]
         elif self.kernel in PHASE_KERNELS:
             shape = f"tile={c.phase_tile} chunk={c.pair_chunk} warps={c.phase_warps}"
         else:
             shape = f"tile={c.tile} G={c.heads_per_program} warps={c.num_warps} stages={c.num_stages}"
         return (
             f"{self.kernel:<14} sm_{self.capability} d_h={self.head_dim:<4} {self.dtype:<5} "
-            f"{shape} maxnreg={c.max_registers}: "
+            f"{shape} maxnreg={cap}: "
             f"shared {self.shared_bytes:>7,} B of {self.shared_limit:,} "
             f"({'fits' if self.fits else 'OVER'}), {self.registers} registers, "
             f"{self.spill_bytes} B spill/thread, {self.fences} fences ({self.compile_s:.0f} s)"
@@ -159,7 +161,7 @@ def compile_cubin(
             interpreting=False,
         )
         return compile_function(
-            _pair_kernel_fn(kernel), meta, dtype, capability, pair_kernel_options(pair_config)
+            _pair_kernel_fn(kernel), meta, dtype, capability, pair_kernel_options(pair_config, kernel)
         )
     config = config or launch_config(head_dim, dtype, capability)
     meta = kernel_constexprs(

@@ -233,6 +233,10 @@ class PairLaunchConfig:
     max_registers: int = 255
     key_splits: int = 0
     row_splits: int = 0
+    #: ``.maxnreg`` of the key-side backward alone: 128 lets two 8-warp CTAs share an SM's 64 K
+    #: registers (at its uncapped 166, one fits), so the split programs can hide each other's HBM
+    #: latency on the dBias stream; it costs 32 B of spill per thread at d_h 128 on sm_90.
+    key_max_registers: int = 128
 
 
 def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> PairLaunchConfig:
@@ -343,7 +347,8 @@ def pair_backward_splits(
     these settings (sm_90, d_h 128, 8 warps) the query side uses 255 registers per thread and the
     key side 166, so one CTA (8 warps) fits an SM's 64 K registers either way; more waves then
     keep every SM busy to the end but hide no more latency. Two CTAs per SM need <= 128
-    registers (the key side at ``.maxnreg`` 128 compiles with 32 B of spill per thread).
+    registers: the key side runs under ``PairLaunchConfig.key_max_registers`` = 128 (32 B of spill
+    per thread), so its split programs do share SMs; the query side would spill 1,112 B there.
     """
     bias_bytes = batch * 2 * num_heads * length**2 * bias_itemsize
     out = {}
@@ -360,9 +365,11 @@ def pair_backward_splits(
     return out
 
 
-def pair_kernel_options(config: PairLaunchConfig) -> dict[str, object]:
-    """Triton's launch / compile options of the pair-bias kernels (one pipelining stage: no loads
-    worth prefetching into shared memory, the work is the pair arithmetic)."""
-    return dict(
-        num_warps=config.num_warps, num_stages=1, maxnreg=config.max_registers, enable_fp_fusion=FP_FUSION
-    )
+def pair_kernel_options(config: PairLaunchConfig, kernel: str = "pair_forward") -> dict[str, object]:
+    """Triton's launch / compile options of pair-bias kernel ``kernel`` (one pipelining stage: no
+    loads worth prefetching into shared memory, the work is the pair arithmetic; the key-side
+    backward under its own register cap, ``PairLaunchConfig.key_max_registers``)."""
+    if kernel not in PAIR_KERNELS:
+        raise ValueError(f"pair kernel {kernel!r}: expected one of {PAIR_KERNELS}")
+    registers = config.key_max_registers if kernel == "pair_backward_k" else config.max_registers
+    return dict(num_warps=config.num_warps, num_stages=1, maxnreg=registers, enable_fp_fusion=FP_FUSION)

@@ -81,7 +81,7 @@ class _PairBias(torch.autograd.Function):
             interpreting=interpreting(),
             tau_max=tau_max,
         )
-        meta.update(pair_kernel_options(config))
+        meta.update(pair_kernel_options(config, "pair_forward"))
         qpair, kpair = pair_components(q, pairs), pair_components(k, pairs)
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
         grid = (math.ceil(length / config.tile_m), math.ceil(length / config.tile_n), batch)
@@ -128,8 +128,9 @@ class _PairBias(torch.autograd.Function):
             *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles, **meta
         )
         kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), row_splits, batch)](
-            *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each, **meta
-        )
+            *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each,
+            **{**meta, **pair_kernel_options(config, "pair_backward_k")},
+        )  # fmt: skip
         # torch's reductions over a dimension add in a fixed order on every device: deterministic.
         dq = _scatter_pairs(dqpair.sum(0), pairs, q_shape)
         dk = _scatter_pairs(dkpair.sum(0), pairs, k_shape)
