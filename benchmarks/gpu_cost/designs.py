@@ -157,6 +157,25 @@ def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
+def pair_phase_work(kernel: str, rec: dict) -> Work:
+    """The phase MLP's work per (i, j, pair) inside pair kernel ``kernel``: the recorded phase
+    forward (ratio, angle, MLP, alpha, beta), plus the recorded phase backward in the query-side
+    backward, which runs the MLP's backward there."""
+    phase = per_pair_element(*rec["default"]["phase_forward"])
+    if kernel != "pair_backward_q":
+        return phase
+    back = per_pair_element(*rec["default"]["phase_backward"])
+    return replace(
+        phase,
+        issue=phase.issue + back.issue,
+        fp32=phase.fp32 + back.fp32,
+        alu=phase.alu + back.alu,
+        mufu=phase.mufu + back.mufu,
+        tensor_macs=_add(phase.tensor_macs, back.tensor_macs),
+        spill_access_bytes=0.0,
+    )
+
+
 def _pair_launch(kernel: str, design: str, length: int, sc: Scenario, rec: dict, res: Resources) -> Launch:
     """One head-looped pair kernel of design (a) or (b): a program owns PAIR_OWN rows (query rows
     for pair_forward / pass Q, key rows for pass K) of every head, loops over a span of PAIR_SPAN
@@ -181,19 +200,7 @@ def _pair_launch(kernel: str, design: str, length: int, sc: Scenario, rec: dict,
         l2_bytes=PAIR_LOOP * m * 2 * 2 + tile_elems * 2,  # the looped pair components + E or dE (bf16)
     )
     # alpha, beta once per tile for all heads; pass Q also runs the phase MLP's backward there.
-    phase = per_pair_element(*rec["default"]["phase_forward"])
-    if kernel == "pair_backward_q":
-        phase_b = per_pair_element(*rec["default"]["phase_backward"])
-        phase = replace(
-            phase,
-            issue=phase.issue + phase_b.issue,
-            fp32=phase.fp32 + phase_b.fp32,
-            alu=phase.alu + phase_b.alu,
-            mufu=phase.mufu + phase_b.mufu,
-            tensor_macs=_add(phase.tensor_macs, phase_b.tensor_macs),
-            spill_access_bytes=0.0,
-        )
-    share = phase.scaled(tile_elems * m / heads)
+    share = pair_phase_work(kernel, rec).scaled(tile_elems * m / heads)
     work = replace(
         work,
         issue=work.issue + share.issue,

@@ -16,9 +16,9 @@ the recompute of gradient checkpointing, + the attention) + the LM head, each me
   masked ones, so the real head is cheaper on both sides).
 
 The model's side is computed here, now, from the same code ``estimate_gpu.py`` runs: the fused
-kernels from their recorded compile; ``triton-pair`` as built (``pair_built``: its own grids, its
-compiled sm_90 resources ``BUILT_PAIR_RESOURCES``), each kernel once per fwd + bwd as timed, and
-for the step its forward once more (the recompute).
+kernels from their recorded compile; ``triton-pair`` as built and timed (``pair_built``: its own
+grids, each kernel's compiled sm_90 resources), each kernel once per fwd + bwd as timed, and for
+the step its forward once more (the recompute).
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from gpu_cost import designs, pair_built, recorded, step
 from gpu_cost.assumptions import SCENARIOS, Scenario
 
 RECORD = Path(__file__).with_name("measured_h100.json")
-#: The pair kernels as built (AOT sm_90, bf16, d_h 128; the query-side backward, the largest:
-#: 8 warps, 1 stage, 255 registers, 216 B spill, 40 KiB shared, 2 barriers per iteration).
-BUILT_PAIR_RESOURCES = "8,1,255,216,40960,2"
 #: Backend name -> (the model's design, the benchmark's method name).
 BACKENDS = {"triton": ("current", "mdlmpe_triton"), "triton-pair": ("pair_bias", "mdlmpe_triton_pair")}
 #: Kernels of triton-pair that run again in the recompute of a checkpointed layer.
@@ -51,8 +48,7 @@ def _layer_model(design: str, length: int) -> dict[str, designs.LayerEstimate]:
     """The model of the kernels as they run in the benchmark, per scenario (fwd + bwd)."""
     rec = recorded.load()
     if design == "pair_bias":
-        res = designs.parse_resources(BUILT_PAIR_RESOURCES)
-        return {s: pair_built.built_layer(length, Scenario(s), rec, res) for s in SCENARIOS}
+        return {s: pair_built.built_layer(length, Scenario(s), rec) for s in SCENARIOS}
     return {s: designs.layer(design, length, Scenario(s), rec) for s in SCENARIOS}
 
 

@@ -76,10 +76,13 @@ def test_kernel_rows_model_the_kernels_as_built(record):
     program per 16 keys, the query side one per 8 rows, the forward one per 8 x 16 tile; dBias
     waits on HBM), each kernel once as the benchmark timed it; every measured kernel of a backend
     has a model row, and the ranges are ordered."""
-    from gpu_cost import designs, pair_built, recorded
+    from gpu_cost import pair_built, recorded
+    from gpu_cost.assumptions import Scenario
 
-    res = designs.parse_resources(measured.BUILT_PAIR_RESOURCES)
-    launches = {k: pair_built.built_launch(k, 2048, recorded.load(), res) for k in pair_built.KERNELS}
+    sc, rec = Scenario("central"), recorded.load()
+    launches = {
+        k: pair_built.built_launch(k, 2048, sc, rec, pair_built.MEASURED[k]) for k in pair_built.KERNELS
+    }
     assert launches["pair_backward_k"].programs == 2048 // 16
     assert launches["pair_backward_q"].programs == 2048 // 8
     assert launches["pair_forward"].programs == (2048 // 8) * (2048 // 16)
@@ -106,10 +109,9 @@ def test_what_would_help_table_is_the_models():
     """docs/gpu.md's ESTIMATE of changes to the backward pair kernels is pair_built's output, and
     the reading beside it holds: a split alone does not help at L = 2048 (one CTA per SM), a split
     with a register cap does."""
-    from gpu_cost import designs, pair_built, recorded
+    from gpu_cost import pair_built, recorded
 
-    res = designs.parse_resources(measured.BUILT_PAIR_RESOURCES)
-    table = pair_built.changes_table(2048, recorded.load(), res)
+    table = pair_built.changes_table(2048, recorded.load())
     assert table in (REPO / "docs" / "gpu.md").read_text()
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     key = [float(r[1]) for r in rows]
