@@ -277,17 +277,16 @@ def kernel_times(step: Callable[[], None], iters: int) -> dict[str, float]:
     return out
 
 
-def model_estimates(length: int, batch: int, design: str = "current") -> dict[str, object]:
+def model_estimates(length: int, batch: int, backend: str = "triton") -> dict[str, object]:
     """The cost model's ESTIMATE (low, central, high) of what this benchmark measures for one
-    design at the launcher's settings (``current``: the fused kernels; ``pair_bias``: the
-    triton-pair backend, with SDPA's memory-efficient kernels as its bias attention): ms per kernel
-    and per MDLMPE layer (batch 1, times ``batch``), and the step ratio against the SDPA flash
-    baseline with the run's recompute."""
-    from gpu_cost import designs, recorded, step
+    backend at the launcher's settings (``gpu_cost.measured``: ``triton`` from the fused kernels'
+    recorded compile, ``triton-pair`` as built, with SDPA's memory-efficient kernels as its bias
+    attention): ms per kernel and per MDLMPE layer (batch 1, times ``batch``), and the step ratio
+    against the SDPA flash baseline with the run's recompute."""
+    from gpu_cost import measured, step
     from gpu_cost.assumptions import SCENARIOS, Scenario
 
-    rec = recorded.load()
-    per = {s: designs.layer(design, length, Scenario(s), rec, attention="sdpa") for s in SCENARIOS}
+    per = measured.layer_model(measured.BACKENDS[backend][0], length)
     kernels = {
         t.name: tuple(batch * {x.name: x.ms for x in per[s].timings}[t.name] for s in SCENARIOS)
         for t in per["central"].timings
@@ -301,41 +300,20 @@ def model_estimates(length: int, batch: int, design: str = "current") -> dict[st
         kernels=kernels,
         mdlmpe_layer_ms=tuple(batch * layer[s] for s in SCENARIOS),
         rope_flash_ms=rope,
-        step_ratio=step.ratio_range(layer, "sdpa_flash", length),
+        step_ratio=measured.model_step_ratio(backend, length),
     )
 
 
-def measured_rates(row: dict, length: int, batch: int) -> dict[str, float]:
-    """The measured counterparts of the model's RoPE-side assumptions, printed beside them: SDPA
-    flash forward and backward TFLOP/s (assumptions fa2_fwd, fa2_bwd), the memory-efficient path
-    with a key-padding bias, fwd + bwd (mea_fwd, mea_bwd), and the MFU of one layer's matmuls."""
-    from gpu_cost.assumptions import SCENARIOS, Scenario
-    from gpu_cost.step import BWD_FLOPS_RATIO, DENSE_BF16_FLOPS, attention_flops
+def measured_rates(timed: dict[str, float], length: int, batch: int) -> dict[str, float]:
+    """The measured counterparts of the model's RoPE-side assumptions (``gpu_cost.measured``'s
+    ``rope_rates`` of ``timed``, ms per method), printed beside them."""
+    from gpu_cost import measured
 
-    flops = attention_flops(length, batch)
-    fwd_ms = row["rope_flash_fwd"]["ms"]
-    bwd_ms = row["rope_flash"]["ms"] - fwd_ms
-    mea_ms = row["rope_padded_mea"]["ms"]
-    hidden, ffn = LLADA["hidden"], LLADA["ffn"]
-    lin_flops = 6 * (4 * hidden**2 + 3 * hidden * ffn) * batch * length
-    got = {
-        "fa2_fwd": flops / (fwd_ms * 1e9),
-        "fa2_bwd": BWD_FLOPS_RATIO * flops / (bwd_ms * 1e9),
-        "mea_fwd_bwd": (1 + BWD_FLOPS_RATIO) * flops / (mea_ms * 1e9),
-        "mfu": lin_flops / (row["linear_layer"]["ms"] * 1e-3) / DENSE_BF16_FLOPS,
-    }
+    rates = measured.rope_rates(timed, length, batch)
     print(f"measured rates vs the model's assumptions (low / central / high), L = {length}:")
-    for key, value in got.items():
-        if key == "mea_fwd_bwd":
-            assumed = [
-                (1 + BWD_FLOPS_RATIO)
-                / (1 / Scenario(s)["mea_fwd"] + BWD_FLOPS_RATIO / Scenario(s)["mea_bwd"])
-                for s in SCENARIOS
-            ]
-        else:
-            assumed = [Scenario(s)[key] for s in SCENARIOS]
-        print(f"  {key:<12} measured {value:8.3g}   assumed " + " / ".join(f"{a:.3g}" for a in assumed))
-    return got
+    for name, (value, assumed) in rates.items():
+        print(f"  {name:<62} measured {value:8.3g}   assumed " + " / ".join(f"{a:.3g}" for a in assumed))
+    return {name: value for name, (value, _) in rates.items()}
 
 
 def _range(values) -> str:
@@ -394,7 +372,7 @@ def compile_report(args: argparse.Namespace) -> list[dict[str, object]]:
 def measure_calibration() -> dict[str, object]:
     """TFLOP/s of the calibration kernel per published length and launch setting on this GPU (the
     autotuner's pick is the fastest), beside the published figure; its output is first checked
-    against SDPA. The model's side is printed by ``estimate_gpu.py --calibration-measured``."""
+    against SDPA. Recorded, the model's side is printed by ``estimate_gpu.py --measured``."""
     from gpu_cost import calibrate
 
     batch, length = calibrate.TOKENS // 1024, 1024
@@ -405,12 +383,7 @@ def measure_calibration() -> dict[str, object]:
         )
         for _ in range(3)
     )
-    o, lse = torch.empty_like(q), torch.empty(batch * calibrate.HEADS, length, device="cuda")
-    bm, bn, stages, warps = calibrate.CENTRAL_SETTING
-    calibrate._kernel()[(length // bm, batch * calibrate.HEADS)](
-        q, k, v, o, lse, length, calibrate.HEAD_DIM**-0.5, DH=calibrate.HEAD_DIM, BM=bm, BN=bn,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    o = calibrate.attention(q, k, v)
     err = (o.float() - F.scaled_dot_product_attention(q, k, v).float()).abs().max().item()
     print(f"calibration kernel vs SDPA at S = {length}: max abs error {err:.2e}", flush=True)
     if not err < 2e-2:
@@ -421,9 +394,7 @@ def measure_calibration() -> dict[str, object]:
         for setting in calibrate.TUTORIAL_SPACE:
             try:
                 per_setting[",".join(map(str, setting))] = calibrate.measure_tflops(length, setting)
-            except (
-                Exception
-            ) as exc:  # a setting the GPU cannot launch (shared memory): the autotuner skips it
+            except Exception as exc:  # a setting this GPU cannot launch: the autotuner skips it
                 per_setting[",".join(map(str, setting))] = None
                 print(f"  S = {length} setting {setting}: not launched ({type(exc).__name__})")
         central = per_setting[",".join(map(str, calibrate.CENTRAL_SETTING))]
@@ -468,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(results, fh, indent=2)
         return 0
+    from gpu_cost import measured
+
     results = {"device": device, "args": vars(args), "lengths": {}}
     print(f"device: {device}; B={args.batch} Hq={args.heads} Hkv={args.kv_heads} d_h={args.head_dim}")
     for length in args.lengths:
@@ -477,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
             ms, peak = time_fwd_bwd(step, args.warmup, args.iters)
             row[name] = {"ms": ms, "peak_extra_mib": peak / 2**20}
             torch.cuda.empty_cache()
-        measured = {
-            "current": kernel_times(methods["mdlmpe_triton"], args.iters),
-            "pair_bias": kernel_times(methods["mdlmpe_triton_pair"], args.iters),
+        timed = {name: r["ms"] for name, r in row.items()}
+        kernels_ms = {
+            design: kernel_times(methods[method], args.iters) for design, method in measured.BACKENDS.values()
         }
         base = row["rope_flash"]["ms"]
         print(f"\nL = {length}")
@@ -494,18 +467,16 @@ def main(argv: list[str] | None = None) -> int:
                 row[name]["step_ratio_estimate"] = ratio
                 print(f"estimated whole LLaDA-8B step, {name}: {ratio:.2f}x the RoPE step")
         # Side by side with the cost model: the same quantities, the step with the run's recompute
-        # (the layer's matmuls and the RoPE attention forward twice, the MDLMPE attention once).
-        lin_fwd, rope_fwd = row["linear_layer_fwd"]["ms"], row["rope_flash_fwd"]["ms"]
-        rope_step_rc = n * (lin + lin_fwd + base + rope_fwd) + head
+        # (gpu_cost.measured: the sum the README's measured table is made of).
         if launch_overrides(args) or (args.heads, args.kv_heads, args.head_dim) != (32, 32, 128):
             print("  (the model is for the launcher's settings at LLaDA-8B shapes; this run differs)")
-        row["model"], row["measured_kernels_ms"], row["step_ratio_recompute"] = {}, measured, {}
-        for design, method in (("current", "mdlmpe_triton"), ("pair_bias", "mdlmpe_triton_pair")):
-            ratio = (n * (lin + lin_fwd + row[method]["ms"]) + head) / rope_step_rc
-            est = model_estimates(length, args.batch, design)
+        row["model"], row["measured_kernels_ms"], row["step_ratio_recompute"] = {}, kernels_ms, {}
+        for backend, (design, method) in measured.BACKENDS.items():
+            ratio = measured.assembled_step_ratio(timed, kernels_ms, backend)
+            est = model_estimates(length, args.batch, backend)
             print(f"measured vs cost model ESTIMATE (central, low-high), L = {length}, {method} ({design}):")
             for name, ms in est["kernels"].items():
-                got = measured[design].get(name)
+                got = kernels_ms[design].get(name)
                 shown = f"{got:8.2f}" if got is not None else "     n/a"
                 print(f"  {name:<22} measured {shown} ms   model {_range(ms)} ms")
             print(
@@ -515,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'rope_flash':<22} measured {base:8.2f} ms   model {_range(est['rope_flash_ms'])} ms")
             print(f"  step ratio (recompute) measured {ratio:.2f}   model {_range(est['step_ratio'])}")
             row["model"][design], row["step_ratio_recompute"][design] = est, ratio
-        row["rates"] = measured_rates(row, length, args.batch)
+        row["rates"] = measured_rates(timed, length, args.batch)
         results["lengths"][str(length)] = row
     if args.json:
         with open(args.json, "w") as fh:

@@ -173,13 +173,32 @@ def calibration_rows(non_overlap: float, space=(CENTRAL_SETTING,)) -> list[dict[
     return rows
 
 
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    setting: tuple[int, int, int, int] = CENTRAL_SETTING,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v by the calibration kernel on a CUDA device: q, k, v [..., S, d]
+    contiguous bf16 with S a multiple of BM; ``setting`` (BM, BN, stages, warps); into ``out``."""
+    bm, bn, stages, warps = setting
+    length, heads = q.shape[-2], q.numel() // (q.shape[-2] * q.shape[-1])
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(heads, length, device=q.device)
+    _kernel()[(length // bm, heads)](
+        q, k, v, out, lse, length, HEAD_DIM**-0.5, DH=HEAD_DIM, BM=bm, BN=bn,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def measure_tflops(
     length: int, setting: tuple[int, int, int, int] = CENTRAL_SETTING, iters: int = 20
 ) -> float:
     """Measured TFLOP/s of the calibration kernel on the current CUDA device at the published shape
     (B = 16k / S, 16 heads, d = 128, bf16) and ``setting`` (BM, BN, stages, warps): the mean of
     ``iters`` launches after three warm-ups, timed with CUDA events."""
-    bm, bn, stages, warps = setting
     batch = TOKENS // length
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
@@ -187,20 +206,12 @@ def measure_tflops(
         for _ in range(3)
     )
     o = torch.empty_like(q)
-    lse = torch.empty(batch * HEADS, length, device="cuda")
-    kernel = _kernel()
-    grid = (length // bm, batch * HEADS)
-
-    def launch() -> None:
-        kernel[grid](q, k, v, o, lse, length, HEAD_DIM**-0.5, DH=HEAD_DIM, BM=bm, BN=bn,
-                     num_warps=warps, num_stages=stages)  # fmt: skip
-
     for _ in range(3):
-        launch()
+        attention(q, k, v, setting, o)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        launch()
+        attention(q, k, v, setting, o)
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / iters

@@ -44,7 +44,7 @@ def lengths(record: dict) -> list[int]:
     return sorted(int(n) for n in record["benchmark"]["lengths"])
 
 
-def _layer_model(design: str, length: int) -> dict[str, designs.LayerEstimate]:
+def layer_model(design: str, length: int) -> dict[str, designs.LayerEstimate]:
     """The model of the kernels as they run in the benchmark, per scenario (fwd + bwd)."""
     rec = recorded.load()
     if design == "pair_bias":
@@ -57,7 +57,7 @@ def kernel_rows(record: dict, backend: str, length: int) -> list[dict]:
     (low, central, high) for the same runs, and measured / central."""
     design, _ = BACKENDS[backend]
     measured = record["benchmark"]["lengths"][str(length)]["kernels_ms"][design]
-    model = _layer_model(design, length)
+    model = layer_model(design, length)
     rows = []
     for timing in model["central"].timings:
         est = tuple(next(t.ms for t in model[s].timings if t.name == timing.name) for s in SCENARIOS)
@@ -77,21 +77,24 @@ def kernel_rows(record: dict, backend: str, length: int) -> list[dict]:
 def measured_step_ratio(record: dict, backend: str, length: int) -> float:
     """The assembled LLaDA-8B step ratio MDLMPE / RoPE (module docstring), batch 1."""
     row = record["benchmark"]["lengths"][str(length)]
-    ms, n = row["ms"], step.LLADA["layers"]
+    return assembled_step_ratio(row["ms"], row["kernels_ms"], backend)
+
+
+def assembled_step_ratio(ms: dict[str, float], kernels_ms: dict[str, dict], backend: str) -> float:
+    """The step ratio from one length's measured pieces (the module docstring's sum): ``ms`` per
+    benchmark method, ``kernels_ms`` per design and kernel (``bench_attention_gpu.kernel_times``)."""
+    n = step.LLADA["layers"]
     linear = ms["linear_layer"] + ms["linear_layer_fwd"]
     rope = n * (linear + ms["rope_flash"] + ms["rope_flash_fwd"]) + ms["lm_head"]
     design, method = BACKENDS[backend]
-    attention = ms[method]
-    if backend == "triton-pair":
-        kernels = row["kernels_ms"][design]
-        attention += kernels["pair_forward"] + kernels["attn_bias_fwd (sdpa)"]
+    attention = ms[method] + sum(kernels_ms[design][k] for k in RECOMPUTED if backend == "triton-pair")
     return (n * (linear + attention) + ms["lm_head"]) / rope
 
 
 def model_step_ratio(backend: str, length: int) -> tuple[float, float, float]:
     """The model's (low, central, high) step ratio against the SDPA flash baseline."""
     design, _ = BACKENDS[backend]
-    model = _layer_model(design, length)
+    model = layer_model(design, length)
     layer = {s: model[s].ms for s in SCENARIOS}
     if backend == "triton-pair":  # the checkpoint recomputes its forward
         for s in SCENARIOS:
@@ -100,13 +103,18 @@ def model_step_ratio(backend: str, length: int) -> tuple[float, float, float]:
 
 
 def rope_side(record: dict, length: int) -> dict[str, tuple[float, tuple[float, ...]]]:
-    """Measured value and the model's (low, central, high) assumption of the RoPE side: SDPA flash
-    forward and backward TFLOP/s, the memory-efficient path with a padding bias (fwd + bwd
-    TFLOP/s), and the MFU of one layer's matmuls (fwd + bwd)."""
-    ms = record["benchmark"]["lengths"][str(length)]["ms"]
-    flops = step.attention_flops(length)
+    """``rope_rates`` of the record's measurements at ``length`` (batch 1)."""
+    return rope_rates(record["benchmark"]["lengths"][str(length)]["ms"], length)
+
+
+def rope_rates(ms: dict[str, float], length: int, batch: int = 1) -> dict[str, tuple[float, tuple]]:
+    """Measured value and the model's (low, central, high) assumption of the RoPE side, from one
+    length's ``ms`` per benchmark method: SDPA flash forward and backward TFLOP/s, the
+    memory-efficient path with a padding bias (fwd + bwd TFLOP/s), and the MFU of one layer's
+    matmuls (fwd + bwd)."""
+    flops = step.attention_flops(length, batch)
     hidden, ffn = step.LLADA["hidden"], step.LLADA["ffn"]
-    linear_flops = 6 * (4 * hidden**2 + 3 * hidden * ffn) * length
+    linear_flops = 6 * (4 * hidden**2 + 3 * hidden * ffn) * length * batch
     ratio = step.BWD_FLOPS_RATIO
     scenarios = [Scenario(s) for s in SCENARIOS]
     return {

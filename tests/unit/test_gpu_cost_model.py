@@ -230,7 +230,7 @@ def test_gpu_benchmark_prints_the_models_side_and_skips_without_a_gpu(capsys):
     assert "ESTIMATE" in text
     modelled = {
         *bench.model_estimates(2048, 1)["kernels"],
-        *bench.model_estimates(2048, 1, "pair_bias")["kernels"],
+        *bench.model_estimates(2048, 1, "triton-pair")["kernels"],
     }
     assert set(bench.KERNEL_NAMES.values()) <= modelled  # every kernel it times has a model figure
     if not torch.cuda.is_available():
