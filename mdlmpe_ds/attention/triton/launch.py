@@ -365,7 +365,7 @@ def pair_backward_splits(
     return out
 
 
-def pair_kernel_options(config: PairLaunchConfig, kernel: str = "pair_forward") -> dict[str, object]:
+def pair_kernel_options(config: PairLaunchConfig, kernel: str) -> dict[str, object]:
     """Triton's launch / compile options of pair-bias kernel ``kernel`` (one pipelining stage: no
     loads worth prefetching into shared memory, the work is the pair arithmetic; the key-side
     backward under its own register cap, ``PairLaunchConfig.key_max_registers``)."""

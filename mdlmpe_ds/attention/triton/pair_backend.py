@@ -81,14 +81,14 @@ class _PairBias(torch.autograd.Function):
             interpreting=interpreting(),
             tau_max=tau_max,
         )
-        meta.update(pair_kernel_options(config, "pair_forward"))
         qpair, kpair = pair_components(q, pairs), pair_components(k, pairs)
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
         grid = (math.ceil(length / config.tile_m), math.ceil(length / config.tile_n), batch)
         dims = (length, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
         kern.pair_bias_fwd_kernel[grid](
-            A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa, **meta
-        )
+            A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa,
+            **meta, **pair_kernel_options(config, "pair_forward"),
+        )  # fmt: skip
         ctx.save_for_backward(qpair, kpair, A, D, w1, b1, w2, b2)
         ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), meta, config)
         return bias
@@ -125,11 +125,12 @@ class _PairBias(torch.autograd.Function):
         db2 = torch.zeros(slots, *b2.shape, **f32)
         mlp = (A, D, w1, b1, w2, b2)
         kern.pair_bias_bwd_q_kernel[(row_tiles, key_splits, batch)](
-            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles, **meta
-        )
+            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles,
+            **meta, **pair_kernel_options(config, "pair_backward_q"),
+        )  # fmt: skip
         kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), row_splits, batch)](
             *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each,
-            **{**meta, **pair_kernel_options(config, "pair_backward_k")},
+            **meta, **pair_kernel_options(config, "pair_backward_k"),
         )  # fmt: skip
         # torch's reductions over a dimension add in a fixed order on every device: deterministic.
         dq = _scatter_pairs(dqpair.sum(0), pairs, q_shape)

@@ -37,10 +37,11 @@ them, 12.5 KB each at d_h 128 and the default hidden width 32).
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, L, 2 NM], kpair [B, Hkv, L, 2 NM] in the
 model dtype (component 0 of pair m, dim 2m + 1, at 2m; component 1, dim F + 2m + 1, at 2m + 1:
 a copy, exact); bias, dbias [B, Hq, L, L] in the model dtype; kbias [B, L] fp32 (0 or the
-dtype's finfo.min); the partials dqpair [key splits, B, Hq, L, 2 NM] and dkpair [row splits, B,
-Hkv, L, 2 NM] fp32 (zeroed); A, D [B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32;
-MLP-gradient slots (one per query-side program: P = row tiles x key splits x B) dw1 [P, H, F],
-db1 [P, H] (written), dw2 [P, NM, H], db2 [P, NM] (zeroed). Query head h reads KV head h // REP.
+dtype's ``common.masked_key_bias``); the partials dqpair [key splits, B, Hq, L, 2 NM] and dkpair
+[row splits, B, Hkv, L, 2 NM] fp32 (zeroed); A, D [B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H],
+b2 [NM] fp32; MLP-gradient slots (one per query-side program: P = row tiles x key splits x B)
+dw1 [P, H, F], db1 [P, H] (written), dw2 [P, NM, H], db2 [P, NM] (zeroed). Query head h reads KV
+head h // REP.
 Rows and keys past L are masked on load (A = 0, D = 1, pair components 0) and never stored.
 
 Gradients of E for pair m (C = q1 k1 + q2 k2, S = q2 k1 - q1 k2; kernels.py): dE/dq1 = alpha k1 -
