@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mdlmpe_ds.experiments.runlength_arms import ARMS  # noqa: E402
+from mdlmpe_ds.experiments.runlength_arms import ARMS, STUDY_ATTENTION  # noqa: E402
 from mdlmpe_ds.experiments.runlength_data import GEOMETRIES  # noqa: E402
 from mdlmpe_ds.experiments.runlength_report import write_report  # noqa: E402
 from mdlmpe_ds.experiments.runlength_study import StudyPlan, run_study  # noqa: E402
@@ -46,13 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--maskings", nargs="+", default=["runs", "iid"], choices=["runs", "iid"])
     parser.add_argument("--workers", type=int, default=2, help="training processes, one thread each")
+    parser.add_argument(
+        "--attention",
+        choices=list(STUDY_ATTENTION),
+        default="compiled",
+        help="MDLMPE attention of the runs still to train: compiled (faster after a few seconds of "
+        "compilation) or dense (plain autograd); the same numbers to fp32 rounding (--toy: dense)",
+    )
     parser.add_argument("--toy", action="store_true", help="a seconds-sized study (L 16, K 3, 4 updates)")
     parser.add_argument("--report-only", action="store_true", help="report the finished runs; train nothing")
     args = parser.parse_args(argv)
     settings = RunSettings()
     if args.toy:
         settings, args.geometries, args.seeds = TOY_SETTINGS, ["L16-K3"], args.seeds[:1]
-    plan = StudyPlan(args.geometries, args.seeds, args.arms, args.maskings, settings)
+        args.attention = "dense"
+    plan = StudyPlan(args.geometries, args.seeds, args.arms, args.maskings, settings, args.attention)
     if args.report_only:
         from mdlmpe_ds.experiments.runlength_train import load_finished, run_path
 

@@ -6,6 +6,7 @@ pad/bos/eos/unk/mask reserved at fixed low ids, and saved as a Hugging Face dire
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,6 +51,34 @@ def train_sentencepiece(
             raise FileNotFoundError(f"sentencepiece training file {f} does not exist")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        _train(spm, files, out, vocab_size, model_type, byte_fallback, max_sentence_length)
+    except RuntimeError as err:
+        needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if needed is None:
+            raise
+        raise ValueError(
+            f"a SentencePiece vocabulary of {vocab_size} pieces is too small for {', '.join(files)}: "
+            f"its characters and reserved pieces alone need {needed.group(2)}; raise the vocabulary "
+            "size (data.tokenizer_vocab, --tokenizer_vocab)"
+        ) from err
+    (out / "tokenizer.vocab").unlink()
+    proc = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    tok = sentencepiece_bpe_to_tokenizer(proc)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=SPM_SPECIALS["pad"],
+        bos_token=SPM_SPECIALS["bos"],
+        eos_token=SPM_SPECIALS["eos"],
+        unk_token=SPM_SPECIALS["unk"],
+        mask_token=SPM_SPECIALS["mask"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def _train(spm, files, out: Path, vocab_size, model_type, byte_fallback, max_sentence_length) -> None:
     spm.SentencePieceTrainer.train(
         input=files,
         model_prefix=str(out / "tokenizer"),
@@ -74,20 +103,6 @@ def train_sentencepiece(
         max_sentence_length=max_sentence_length,
         minloglevel=2,
     )
-    (out / "tokenizer.vocab").unlink()
-    proc = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    tok = sentencepiece_bpe_to_tokenizer(proc)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=SPM_SPECIALS["pad"],
-        bos_token=SPM_SPECIALS["bos"],
-        eos_token=SPM_SPECIALS["eos"],
-        unk_token=SPM_SPECIALS["unk"],
-        mask_token=SPM_SPECIALS["mask"],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(str(out))
-    return fast
 
 
 def sentencepiece_bpe_to_tokenizer(proc) -> Tokenizer:

@@ -30,6 +30,7 @@ class StudyPlan:
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     maskings: list[str] = field(default_factory=lambda: ["runs", "iid"])
     settings: RunSettings = field(default_factory=RunSettings)
+    attention: str = "dense"  # runlength_arms.STUDY_ATTENTION: how runs still to train compute MDLMPE
 
     def jobs(self) -> list[tuple[str, str, str, int]]:
         out = []
@@ -46,8 +47,10 @@ def _worker_init() -> None:
     torch.set_num_threads(1)
 
 
-def _train_and_save(out: Path, job: tuple[str, str, str, int], settings: RunSettings) -> tuple[tuple, float]:
-    result = train_run(*job, settings)
+def _train_and_save(
+    out: Path, job: tuple[str, str, str, int], settings: RunSettings, attention: str
+) -> tuple[tuple, float]:
+    result = train_run(*job, settings, attention)
     save_run(run_path(out, *job), result)
     return job, result["wall_s"]
 
@@ -62,12 +65,14 @@ def run_study(out: Path, plan: StudyPlan, workers: int = 2, log=print) -> dict[t
     if missing and workers <= 1:
         _worker_init()
         for i, job in enumerate(missing, 1):
-            _, wall = _train_and_save(out, job, plan.settings)
+            _, wall = _train_and_save(out, job, plan.settings, plan.attention)
             log(f"  [{i}/{len(missing)}] {'/'.join(map(str, job))}: {wall:.0f} s")
     elif missing:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
-            futures = [pool.submit(_train_and_save, out, job, plan.settings) for job in missing]
+            futures = [
+                pool.submit(_train_and_save, out, job, plan.settings, plan.attention) for job in missing
+            ]
             for i, future in enumerate(as_completed(futures), 1):
                 job, wall = future.result()
                 log(f"  [{i}/{len(missing)}] {'/'.join(map(str, job))}: {wall:.0f} s")

@@ -97,12 +97,16 @@ def evaluate(model, oracle, batches: list[Batch]) -> dict[str, float]:
     return {"ce": ce / max(n, 1), "acc": correct / max(n, 1), "tokens": n}
 
 
-def train_run(geometry_name: str, masking: str, arm: str, seed: int, settings: RunSettings) -> dict:
-    """Train one run from its matched start; every number of its report entry."""
+def train_run(
+    geometry_name: str, masking: str, arm: str, seed: int, settings: RunSettings, attention: str = "dense"
+) -> dict:
+    """Train one run from its matched start; every number of its report entry. ``attention``: how
+    MDLMPE attention is computed (runlength_arms.STUDY_ATTENTION; same numbers to fp32 rounding, so
+    it is recorded with the run but is not one of the settings a finished run must match)."""
     settings.validate()
     geometry = GEOMETRIES[geometry_name] if isinstance(geometry_name, str) else geometry_name
     start = time.perf_counter()
-    model, oracle = build_arm(arm, geometry, seed)
+    model, oracle = build_arm(arm, geometry, seed, attention=attention)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
@@ -140,6 +144,7 @@ def train_run(geometry_name: str, masking: str, arm: str, seed: int, settings: R
         "arm": arm,
         "seed": seed,
         "settings": asdict(settings),
+        "attention": attention,
         "history": history,
         "diverged_at": diverged,
         "final_gamma": gamma,

@@ -87,7 +87,10 @@ class PretrainTask:
     def corrupt(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The corruption draw of a packed batch (keyed by its windows, not by rank or step)."""
         t, cfg = self.train, self.model_config
-        return pretrain_corruption(batch, t.seed, t.noise_eps, cfg.mask_token_id, cfg.family, t.corruption)
+        # Dream's loss never scores position 0 (its shifted logits cannot predict it), so no family
+        # may mask it when that loss is chosen, whatever the model's own family.
+        family = "dream" if "dream" in (self.loss_family, cfg.family) else "llada"
+        return pretrain_corruption(batch, t.seed, t.noise_eps, cfg.mask_token_id, family, t.corruption)
 
     def micro(self, engine, batch: dict, micro_step: int, rank: int) -> Micro:
         device = engine_device(engine)

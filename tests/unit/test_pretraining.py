@@ -322,3 +322,28 @@ def test_evaluate_cli_writes_markdown_and_json(tmp_path, assets):
     assert first["nll"] == second["nll"] and first["tokens"] == 3 * 31  # Dream: position 0 unscored
     assert report["settings"]["seq_len"] == 32 and report["settings"]["t_sampling"] == "antithetic"
     assert "| first |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize(("loss", "family"), [("dream", "llada"), ("llada", "dream"), ("auto", "dream")])
+def test_a_loss_of_the_other_family_gets_masks_it_can_score(loss, family):
+    """train.loss may pick the other family's loss: the corruption then never masks a position that
+    loss cannot score (Dream's loss on a LLaDA model once stopped the run at its first update with
+    'a masked position is not maskable')."""
+    from types import SimpleNamespace
+
+    from mdlmpe_ds.config.run import TrainConfig
+    from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_pretrain_loss
+    from mdlmpe_ds.tasks.pretrain import PretrainTask
+
+    train = TrainConfig(loss=loss, dream_weighting="none", noise_eps=0.5)
+    task = PretrainTask(train, SimpleNamespace(family=family, mask_token_id=1))
+    batch = _batch(list(range(16)), 0)
+    _, masked, p = task.corrupt(batch)
+    assert not bool(masked[:, 0].any()) and bool(masked[:, 1:].any())
+    logits = torch.randn(*batch["input_ids"].shape, 64)
+    if task.loss_family == "dream":
+        maskable = scored_positions(batch["valid"], "dream")
+        loss_value, _ = dream_sft_loss(logits, batch["input_ids"], masked, p, maskable, weighting="none")
+    else:
+        loss_value, _ = llada_pretrain_loss(logits, batch["input_ids"], masked, p)
+    assert torch.isfinite(loss_value)

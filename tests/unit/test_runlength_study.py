@@ -149,6 +149,25 @@ def test_toy_study_runs_reports_and_reuses(tmp_path, capsys):
     assert "9 reused, 0 to train" in capsys.readouterr().out
 
 
+def test_compiled_study_attention_trains_the_dense_runs_numbers():
+    """--attention compiled (the default of the full study) only changes how MDLMPE attention is
+    computed: a toy run gives the dense run's history, knockouts included, and each run records
+    which one made it. An unknown name is refused before anything is built."""
+    from mdlmpe_ds.experiments.runlength_train import RunSettings, train_run
+
+    settings = RunSettings(updates=3, batch=4, warmup=1, eval_at=(0, 3), eval_rows=8, eval_batch=8)
+    dense = train_run("L16-K3", "runs", "mdlmpe", 0, settings, "dense")
+    compiled = train_run("L16-K3", "runs", "mdlmpe", 0, settings, "compiled")
+    assert (dense["attention"], compiled["attention"]) == ("dense", "compiled")
+    for a, b in zip(dense["history"], compiled["history"], strict=True):
+        assert a.keys() == b.keys() and {"shuffle", "constant", "off"} <= a.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert dense["history"][-1]["ce"] != dense["history"][0]["ce"]  # it trained
+    with pytest.raises(ValueError, match="unknown study attention 'fast'"):
+        build_arm("mdlmpe", L64, 0, attention="fast")
+
+
 def test_learning_rate_warms_up_then_decays_to_its_floor():
     from mdlmpe_ds.experiments.runlength_train import RunSettings, lr_factor
 

@@ -129,3 +129,15 @@ def test_matches_llama_cpp_reference_tokenizations(assets, vocab, part):
     assert len(texts) == 46
     for text, ids in zip(texts, expected):
         assert tok(text, add_special_tokens=False)["input_ids"] == [int(i) for i in ids.split()], repr(text)
+
+
+def test_sentencepiece_vocabulary_too_small_for_the_corpus_names_the_key(tmp_path):
+    """Config validation accepts tokenizer_vocab >= 300, but a corpus with more distinct characters
+    needs more pieces: the error says how many, names the file and the key to raise."""
+    from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
+
+    text = tmp_path / "many_chars.txt"
+    chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 400))  # 400 distinct CJK characters
+    text.write_text("\n".join(chars[i : i + 40] * 3 for i in range(0, 400, 40)) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"too small for .*many_chars\.txt.*need \d+.*tokenizer_vocab"):
+        train_sentencepiece([text], 300, tmp_path / "spm")
