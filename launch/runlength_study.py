@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         "--attention",
         choices=list(STUDY_ATTENTION),
         default="compiled",
-        help="MDLMPE attention of the runs still to train: compiled (faster after a few seconds of "
-        "compilation) or dense (plain autograd); the same numbers to fp32 rounding (--toy: dense)",
+        help="MDLMPE attention of the runs still to train: compiled (torch.compile, which needs a C++ "
+        "compiler; faster after a few seconds of compilation) or dense (plain autograd); the same "
+        "numbers to fp32 rounding (--toy: dense)",
     )
     parser.add_argument("--toy", action="store_true", help="a seconds-sized study (L 16, K 3, 4 updates)")
     parser.add_argument("--report-only", action="store_true", help="report the finished runs; train nothing")
