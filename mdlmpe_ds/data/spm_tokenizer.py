@@ -52,7 +52,30 @@ def train_sentencepiece(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        _train(spm, files, out, vocab_size, model_type, byte_fallback, max_sentence_length)
+        spm.SentencePieceTrainer.train(
+            input=files,
+            model_prefix=str(out / "tokenizer"),
+            vocab_size=vocab_size,
+            model_type=model_type,
+            pad_id=SPM_PAD,
+            bos_id=SPM_BOS,
+            eos_id=SPM_EOS,
+            unk_id=SPM_UNK,
+            pad_piece=SPM_SPECIALS["pad"],
+            bos_piece=SPM_SPECIALS["bos"],
+            eos_piece=SPM_SPECIALS["eos"],
+            unk_piece=SPM_SPECIALS["unk"],
+            user_defined_symbols=[SPM_SPECIALS["mask"]],
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            byte_fallback=byte_fallback,
+            character_coverage=1.0 if not byte_fallback else 0.9995,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=1,
+            max_sentence_length=max_sentence_length,
+            minloglevel=2,
+        )
     except RuntimeError as err:
         needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if needed is None:
@@ -76,33 +99,6 @@ def train_sentencepiece(
     )
     fast.save_pretrained(str(out))
     return fast
-
-
-def _train(spm, files, out: Path, vocab_size, model_type, byte_fallback, max_sentence_length) -> None:
-    spm.SentencePieceTrainer.train(
-        input=files,
-        model_prefix=str(out / "tokenizer"),
-        vocab_size=vocab_size,
-        model_type=model_type,
-        pad_id=SPM_PAD,
-        bos_id=SPM_BOS,
-        eos_id=SPM_EOS,
-        unk_id=SPM_UNK,
-        pad_piece=SPM_SPECIALS["pad"],
-        bos_piece=SPM_SPECIALS["bos"],
-        eos_piece=SPM_SPECIALS["eos"],
-        unk_piece=SPM_SPECIALS["unk"],
-        user_defined_symbols=[SPM_SPECIALS["mask"]],
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        byte_fallback=byte_fallback,
-        character_coverage=1.0 if not byte_fallback else 0.9995,
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        num_threads=1,
-        max_sentence_length=max_sentence_length,
-        minloglevel=2,
-    )
 
 
 def sentencepiece_bpe_to_tokenizer(proc) -> Tokenizer:

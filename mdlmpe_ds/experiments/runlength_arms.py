@@ -77,6 +77,8 @@ def build_arm(
     a key of STUDY_ATTENTION."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    if attention not in STUDY_ATTENTION:
+        raise ValueError(f"unknown study attention {attention!r}; choose from {', '.join(STUDY_ATTENTION)}")
     spec = ARMS[arm]
     mdlmpe = {**spec.get("mdlmpe", {}), **(extra or {})}
     config = preset(
@@ -90,8 +92,6 @@ def build_arm(
         **({"mdlmpe": mdlmpe} if mdlmpe else {}),
     )
     torch.manual_seed(seed)
-    if attention not in STUDY_ATTENTION:
-        raise ValueError(f"unknown study attention {attention!r}; choose from {', '.join(STUDY_ATTENTION)}")
     model = DiffusionLM(config, impl=STUDY_ATTENTION[attention])
     if spec.get("phase", True) is False:
         model.set_active_kv_heads(torch.zeros(config.num_kv_heads, dtype=torch.bool))

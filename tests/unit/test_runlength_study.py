@@ -149,15 +149,25 @@ def test_toy_study_runs_reports_and_reuses(tmp_path, capsys):
     assert "9 reused, 0 to train" in capsys.readouterr().out
 
 
-def test_compiled_study_attention_trains_the_dense_runs_numbers():
+def test_compiled_study_attention_trains_the_dense_runs_numbers(monkeypatch):
     """--attention compiled (the default of the full study) only changes how MDLMPE attention is
     computed: a toy run gives the dense run's history, knockouts included, and each run records
-    which one made it. An unknown name is refused before anything is built."""
+    which one made it (and was built with it). An unknown name is refused before anything is built."""
+    from mdlmpe_ds.experiments import runlength_train
     from mdlmpe_ds.experiments.runlength_train import RunSettings, train_run
 
+    backends = []
+
+    def recording_build_arm(*args, **kwargs):
+        model, oracle = build_arm(*args, **kwargs)
+        backends.append({(m.impl.backend, m.impl.compile) for m in model.modules() if hasattr(m, "impl")})
+        return model, oracle
+
+    monkeypatch.setattr(runlength_train, "build_arm", recording_build_arm)
     settings = RunSettings(updates=3, batch=4, warmup=1, eval_at=(0, 3), eval_rows=8, eval_batch=8)
     dense = train_run("L16-K3", "runs", "mdlmpe", 0, settings, "dense")
     compiled = train_run("L16-K3", "runs", "mdlmpe", 0, settings, "compiled")
+    assert backends == [{("dense", False)}, {("blocked", True)}]
     assert (dense["attention"], compiled["attention"]) == ("dense", "compiled")
     for a, b in zip(dense["history"], compiled["history"], strict=True):
         assert a.keys() == b.keys() and {"shuffle", "constant", "off"} <= a.keys()
