@@ -32,8 +32,9 @@ def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
     """(flags compare adds to every run, one line naming each): recipes.COMPARE_LONGER's keys that
     neither the user (flags, --config) nor a recipe (--recipe, or --preset llada-100m|dream-100m) sets."""
     from mdlmpe_ds.config import cli, recipes
+    from mdlmpe_ds.experiments import run_plan
 
-    flags, overrides = cli.parse(_pretrain_parser(), forwarded)
+    flags, overrides = cli.parse(run_plan.pretrain_parser(), forwarded)
     written = cli.load_config_file(flags["config"]) if flags["config"] is not None else {}
     given = set(overrides) | set(written)
     preset = overrides.get("model.preset", written.get("model.preset"))
@@ -54,39 +55,18 @@ def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
     return extra, notes
 
 
-def planned_config(forwarded: list[str], encoding: str, seed: int, out: Path, ds_config: str):
-    """The RunConfig launch/pretrain.py would build for one matched run (for --dry-run)."""
-    from mdlmpe_ds.config import cli, recipes
-    from mdlmpe_ds.experiments import compare
-    from mdlmpe_ds.runs import launching
-
-    cmd = compare.pretrain_command(
-        [], encoding, seed, compare.run_dir(out, encoding, seed), ds_config, forwarded
-    )
-    flags, overrides = cli.parse(_pretrain_parser(), cmd[1:])  # the arguments after the script
-    world = launching.dry_run_world_size()
-    return recipes.pretrain_run(flags["config"], flags["recipe"], overrides, world), cmd
-
-
-def _pretrain_parser():
-    """launch/pretrain.py's parser (its run flags and config keys, with its defaults)."""
-    from mdlmpe_ds.config import cli, recipes
-
-    names = [n for n, r in recipes.RECIPES.items() if r.launcher == "pretrain"]
-    return cli.config_parser(None, recipes.pretrain_demo(), "pretrain", names)
-
-
 def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.data.corpora import EVAL_CORPORA
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
     from mdlmpe_ds.evaluation.perplexity import EvalSettings
-    from mdlmpe_ds.experiments import compare
+    from mdlmpe_ds.experiments import compare, run_plan
 
     # No prefix matching: --seed (a training key, forwarded) must not be read as --seeds.
     epilog = None
     if {"-h", "--help"} & set(argv if argv is not None else sys.argv[1:]):
         epilog = (
-            "every run also takes launch/pretrain.py's flags and keys:\n" + _pretrain_parser().format_help()
+            "every run also takes launch/pretrain.py's flags and keys:\n"
+            + run_plan.pretrain_parser().format_help()
         )
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -130,15 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for seed in args.seeds:
             for encoding in args.encodings:
-                run, cmd = planned_config(forwarded, encoding, seed, out, args.deepspeed)
-                t, d, o = run.train, run.data, run.optim
-                print(
-                    f"[compare] {encoding} seed {seed}: {run.model.preset}, {run.model.position_encoding}, "
-                    f"max_steps {t.max_steps}, lr {run.lr}, max_len {d.max_len}, batch "
-                    f"{t.micro_batch_size}x{t.grad_accum}, warmup {o.warmup_steps or o.warmup_ratio}, "
-                    f"dataset {d.dataset}, tokenizer {d.tokenizer}\n  {shlex.join([*launcher, *cmd])}",
-                    flush=True,
-                )
+                run, cmd = run_plan.planned_run(forwarded, encoding, seed, out, args.deepspeed)
+                line = f"[compare] {encoding} seed {seed}: {run_plan.describe(run)}"
+                print(f"{line}\n  {shlex.join([*launcher, *cmd])}", flush=True)
         return 0
     out.mkdir(parents=True, exist_ok=True)
 

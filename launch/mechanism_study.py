@@ -11,6 +11,9 @@ models again with their availability layout knocked out (evaluation/knockout.py)
     python launch/mechanism_study.py --toy --out /tmp/mech   # seconds-sized models, for the tests
     python launch/mechanism_study.py --seeds 0 1 2 --max_steps 1200   # flags it does not know go to
                                                                       # every launch/pretrain.py run
+    python launch/mechanism_study.py --paper --out outputs/mechanism-100m   # GPU nodes: the paper's
+                                                                   # 100M pretraining recipe on OWT
+    python launch/mechanism_study.py --paper --dry-run   # each run's plan; trains and scores nothing
 
 Writes <out>/mechanism.md, mechanism.json and mechanism.png; one run directory per (encoding,
 seed) under <out>/runs. Running it again reuses finished runs (summary.json) and evaluations
@@ -51,6 +54,13 @@ TOY = {
     },
     "corpus": "botchan", "windows": 4, "draws": 2,
 }  # fmt: skip
+# The paper-scale study (docs/results.md "The paper-scale run"): the llada-100m recipe (App. B.3:
+# OpenWebText, L 1024, 200K updates of 16 windows, LLaDA's loss, MDLMPE on every head) with the
+# study's `mix` corruption, scored on 256 windows x 8 draws of OWT's held-out slice.
+PAPER = {
+    "train": {"preset": "llada-100m", "corruption": "mix"},
+    "corpus": "openwebtext", "windows": 256, "draws": 8,
+}  # fmt: skip
 
 
 def training_flags(base: dict, forwarded: list[str]) -> list[str]:
@@ -65,7 +75,7 @@ def training_flags(base: dict, forwarded: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
-    from mdlmpe_ds.experiments import compare
+    from mdlmpe_ds.experiments import compare, run_plan
     from mdlmpe_ds.experiments.layout_eval import LayoutEvalSettings
     from mdlmpe_ds.experiments.mechanism_study import (
         evaluate_run,
@@ -79,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--toy", action="store_true", help="seconds-sized runs and scoring (tests)")
+    scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--toy", action="store_true", help="seconds-sized runs and scoring (tests)")
+    scale.add_argument("--paper", action="store_true", help="the paper's 100M recipe on OpenWebText (GPUs)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--encodings", nargs="+", default=["rope", "mdlmpe"], choices=["rope", "mdlmpe"])
     parser.add_argument("--out", default="outputs/mechanism")
@@ -92,46 +104,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["iid", "semi_ar", "spans"])
     parser.add_argument("--launcher", default=None, help='e.g. "deepspeed --num_gpus 8" (default: auto)')
     parser.add_argument("--evaluate_only", action="store_true", help="score the finished runs only")
+    parser.add_argument("--device", default=None, help="where runs are scored (default: cuda if present)")
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="print each run's plan; do nothing",
+    )
     args, forwarded = parser.parse_known_args(argv)
-    plan = TOY if args.toy else STUDY
+    plan = TOY if args.toy else PAPER if args.paper else STUDY
     flags = training_flags(plan["train"], forwarded)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     launcher = shlex.split(args.launcher) if args.launcher else compare.default_launcher()
-    start = time.perf_counter()
-    if not args.evaluate_only:
-        compare.train_all(args.encodings, args.seeds, out, args.deepspeed, flags, launcher)
-    seq_len = int(_flag(flags, "max_len"))
-    settings = LayoutEvalSettings(
-        seq_len=seq_len,
-        windows=args.windows or plan["windows"],
-        draws=args.draws or plan["draws"],
-        seed=args.score_seed,
-        t_sampling=args.t_sampling,
-        layouts=tuple(args.layouts),
-    ).validate()
+    device = args.device or _default_device()
+    # the run launch/pretrain.py will build (a recipe or the user's flags resolved as it resolves them)
+    run, _ = run_plan.planned_run(flags, args.encodings[0], args.seeds[0], out, args.deepspeed)
     corpus = args.corpus or plan["corpus"]
-    evaluated = {}
-    for seed in args.seeds:
-        for encoding in args.encodings:
-            directory = compare.run_dir(out, encoding, seed)
-            began = time.perf_counter()
-            evaluated[(encoding, seed)], reused = evaluate_run(directory, corpus, settings)
-            what = "scores reused" if reused else f"scored in {time.perf_counter() - began:.0f} s"
-            print(f"[mechanism] {encoding} seed {seed}: {what}", flush=True)
-    first = compare.run_dir(out, args.encodings[0], args.seeds[0])
-    reference = reference_lines(out, first, corpus, _flag(flags, "dataset"), settings)
-    summary = summarise_study(evaluated, settings, reference)
-    meta = {
-        "training": "launch/pretrain.py " + " ".join(flags),
-        "corpus": corpus,
-        "wall_time_s": _total_wall_time(out, time.perf_counter() - start),
-        "environment": compare.environment_note(),
-        "encodings": args.encodings,
-        "title": f"{_flag(flags, 'preset')}, {_flag(flags, 'max_steps')} updates on "
-        f"{_flag(flags, 'corruption')} corruption, L {seq_len}",
-    }
-    write_report(summary, settings, out, meta)
+    if args.dry_run:
+        for seed in args.seeds:
+            for encoding in args.encodings:
+                planned, cmd = run_plan.planned_run(flags, encoding, seed, out, args.deepspeed)
+                line = f"[mechanism] {encoding} seed {seed}: {run_plan.describe(planned)}"
+                print(f"{line}\n  {shlex.join([*launcher, *cmd])}", flush=True)
+        print(
+            f"[mechanism] scoring on {device}: {args.windows or plan['windows']} windows of {corpus} x "
+            f"{args.draws or plan['draws']} draws per layout {args.layouts}, every knockout",
+            flush=True,
+        )
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    with WallClock(out) as clock:  # this call's time is kept even if it fails or is killed
+        if not args.evaluate_only:
+            compare.train_all(args.encodings, args.seeds, out, args.deepspeed, flags, launcher)
+        seq_len = run.data.max_len
+        settings = LayoutEvalSettings(
+            seq_len=seq_len,
+            windows=args.windows or plan["windows"],
+            draws=args.draws or plan["draws"],
+            seed=args.score_seed,
+            t_sampling=args.t_sampling,
+            layouts=tuple(args.layouts),
+        ).validate()
+        evaluated = {}
+        for seed in args.seeds:
+            for encoding in args.encodings:
+                directory = compare.run_dir(out, encoding, seed)
+                began = time.perf_counter()
+                evaluated[(encoding, seed)], reused = evaluate_run(directory, corpus, settings, device)
+                what = "scores reused" if reused else f"scored in {time.perf_counter() - began:.0f} s"
+                print(f"[mechanism] {encoding} seed {seed}: {what}", flush=True)
+        first = compare.run_dir(out, args.encodings[0], args.seeds[0])
+        reference = reference_lines(out, first, corpus, settings)
+        summary = summarise_study(evaluated, settings, reference)
+        meta = {
+            "training": "launch/pretrain.py " + " ".join(flags),
+            "corpus": corpus,
+            "wall_time_s": clock.tick(),
+            "environment": compare.environment_note(),
+            "encodings": args.encodings,
+            "title": f"{run.model.preset}, {run.train.max_steps} updates on {run.train.corruption} "
+            f"corruption, L {seq_len}",
+        }
+        write_report(summary, settings, out, meta)
     print(
         "\n"
         + (out / "mechanism.md").read_text()
@@ -140,26 +175,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _flag(flags: list[str], key: str) -> str:
-    """The value of the last ``--key`` in ``flags`` (the user's, when given)."""
-    value = "?"
-    for i, token in enumerate(flags):
-        name, eq, given = token[2:].partition("=")
-        if token.startswith("--") and name.split(".")[-1] == key:
-            value = given if eq else (flags[i + 1] if i + 1 < len(flags) else value)
-    return value
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _total_wall_time(out: Path, this_call: float) -> float:
-    """Seconds spent by every invocation of the study in ``out`` (an interrupted study resumed
-    later counts all its parts), kept in ``<out>/wall_time.json``."""
-    import json
+class WallClock:
+    """Seconds spent by every invocation of the study in ``out``, kept in ``<out>/wall_time.json``:
+    this call's entry is rewritten every ``every`` seconds and at the end, so a call that is killed
+    (and resumed by the next) still counts up to its last write."""
 
-    path = out / "wall_time.json"
-    calls = json.loads(path.read_text())["calls"] if path.is_file() else []
-    calls.append(round(this_call, 1))
-    path.write_text(json.dumps({"calls": calls}) + "\n")
-    return sum(calls)
+    def __init__(self, out: Path, every: float = 30.0):
+        import json
+        import threading
+
+        self.path = out / "wall_time.json"
+        self.calls = json.loads(self.path.read_text())["calls"] if self.path.is_file() else []
+        self.calls.append(0.0)
+        self.start = time.perf_counter()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._every = every
+        self.tick()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every):
+            self.tick()
+
+    def tick(self) -> float:
+        """Write this call's time so far; return the total over every call."""
+        import json
+
+        with self._lock:
+            self.calls[-1] = round(time.perf_counter() - self.start, 1)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"calls": self.calls}) + "\n")
+            tmp.replace(self.path)
+            return sum(self.calls)
+
+    def stop(self) -> float:
+        self._done.set()
+        return self.tick()
+
+    def __enter__(self) -> WallClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 if __name__ == "__main__":

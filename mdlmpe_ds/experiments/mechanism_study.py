@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mdlmpe_ds.data.corpora import load_packed_corpus
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 from mdlmpe_ds.experiments.knockout import KNOCKOUTS, knockout, shuffle_context
 from mdlmpe_ds.experiments.layout_eval import (
@@ -36,7 +37,8 @@ from mdlmpe_ds.experiments.layout_eval import (
     scores_from_json,
     scores_to_json,
 )
-from mdlmpe_ds.experiments.reference_lines import ngram_log_probs, reference_scores
+from mdlmpe_ds.experiments.reference_lines import REFERENCE_FIT_TOKENS, ngram_log_probs, reference_scores
+from mdlmpe_ds.training import checkpoint as ckpt
 
 CACHE = "mechanism_eval.json"
 REFERENCE_CACHE = "reference_lines.json"
@@ -50,10 +52,11 @@ def _modes(encoding: str) -> tuple[str, ...]:
 
 
 def evaluate_run(
-    directory: Path, corpus: str, settings: LayoutEvalSettings
+    directory: Path, corpus: str, settings: LayoutEvalSettings, device: str = "cpu"
 ) -> dict[str, dict[str, WindowScores]]:
     """``{"plain": scores, "shuffle": ..., "constant": ...}`` of one run (``constant`` for MDLMPE
-    only), from the cache when it was made with the same settings and corpus."""
+    only), from the cache when it was made with the same settings and corpus. The model runs on
+    ``device`` in fp32 (not part of the cache key: the device changes the sums by rounding only)."""
 
     wanted = {"settings": asdict(settings), "corpus": corpus}
     cache = directory / CACHE
@@ -63,13 +66,13 @@ def evaluate_run(
             _modes(saved.get("encoding", "mdlmpe"))
         ) <= set(saved["scores"]):
             return {name: scores_from_json(s) for name, s in saved["scores"].items()}, True
-    model, tok_dir = load_model(directory)
+    model, tok_dir = load_model(directory, device=device)
     tokenizer = load_tokenizer(tok_dir)
     batches = corpus_batches(corpus, tokenizer, settings, model.config.family)
     mask_id = model.config.mask_token_id
 
     def logits(ids, valid):
-        return model(ids, valid=valid)
+        return model(ids.to(device), valid=valid.to(device))
 
     out = {"plain": score_layouts(logits, batches, mask_id, settings)}
     encoding = model.config.position_encoding
@@ -78,7 +81,7 @@ def evaluate_run(
             generator = torch.Generator().manual_seed(settings.seed)
 
             def shuffled(ids, valid, generator=generator):
-                return model(shuffle_context(ids, valid, mask_id, generator), valid=valid)
+                return logits(shuffle_context(ids, valid, mask_id, generator), valid)
 
             out[mode] = score_layouts(shuffled, batches, mask_id, settings)
         else:
@@ -92,26 +95,44 @@ def evaluate_run(
 
 
 def reference_lines(
-    out: Path, directory: Path, corpus: str, train_corpus: str, settings: LayoutEvalSettings
+    out: Path, directory: Path, corpus: str, settings: LayoutEvalSettings
 ) -> dict[str, dict[str, WindowScores]]:
     """The unigram and bigram reference lines (reference_lines.py) of ``corpus``'s scored windows,
-    fitted on ``train_corpus`` with the tokenizer of the run in ``directory``; cached in
-    ``<out>/reference_lines.json`` under the settings, both corpora and the tokenizer."""
+    fitted on the training windows of the run in ``directory`` (its corpus, document split and
+    token store, read from its checkpoint) with its tokenizer; cached in
+    ``<out>/reference_lines.json`` under the settings, the scored corpus, the training data and the
+    tokenizer."""
 
     model, tok_dir = load_model(directory)
+    saved = ckpt.read_saved_run(ckpt.resolve_checkpoint(directory))
+    data = saved.run_config["data"]
+    train = {k: data.get(k) for k in ("dataset", "text_split", "text_column", "max_documents")}
     wanted = json.loads(
         json.dumps(
-            {"settings": asdict(settings), "corpus": corpus, "train": train_corpus, "tokenizer": str(tok_dir)}
+            {
+                "settings": asdict(settings),
+                "corpus": corpus,
+                "train": train,
+                "fit_tokens": REFERENCE_FIT_TOKENS,
+                "tokenizer": str(tok_dir),
+            }
         )
     )
     cache = out / REFERENCE_CACHE
     if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if {k: saved.get(k) for k in wanted} == wanted:
-            return {name: scores_from_json(s) for name, s in saved["scores"].items()}
+        saved_lines = json.loads(cache.read_text())
+        if {k: saved_lines.get(k) for k in wanted} == wanted:
+            return {name: scores_from_json(s) for name, s in saved_lines["scores"].items()}
     tokenizer = load_tokenizer(tok_dir)
     cfg = model.config
-    log_uni, log_bi = ngram_log_probs(train_corpus, tokenizer, settings.seq_len, cfg.vocab_size)
+    # the run's own training windows, from the token store its training built (same key: reused)
+    store = Path(data["store_dir"]) if data.get("store_dir") else directory / "data_cache"
+    windows = load_packed_corpus(
+        train["dataset"], tokenizer, settings.seq_len, split=train["text_split"],
+        text_column=train["text_column"], max_documents=train["max_documents"], cache_dir=store,
+        role="train",
+    )  # fmt: skip
+    log_uni, log_bi = ngram_log_probs(windows, cfg.vocab_size, max_tokens=REFERENCE_FIT_TOKENS)
     batches = corpus_batches(corpus, tokenizer, settings, cfg.family)
     scores = reference_scores(batches, cfg.mask_token_id, settings, log_uni, log_bi)
     tmp = cache.with_suffix(".tmp")

@@ -153,11 +153,11 @@ def handler(cmd: Command) -> str:
 
 
 HANDLERS = [
-    (r"launch/(sft|pretrain|compare_pe)\.py", "plan"),
+    (r"launch/(sft|pretrain|compare_pe|mechanism_study)\.py", "plan"),
     (r"launch/(export|generate|evaluate|analyze|convert_checkpoint)\.py", "tool"),
     (r"launch/lm_eval_harness\.py", "lm_eval"),
     (
-        r"launch/(mechanism_study|runlength_study|gpu_check|benchmark|prepare_data)\.py|benchmarks/\w+\.py",
+        r"launch/(runlength_study|gpu_check|benchmark|prepare_data)\.py|benchmarks/\w+\.py",
         "parse",
     ),
     (r"tests/unit/benchmark_fixtures\.py", "run"),

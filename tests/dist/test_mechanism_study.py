@@ -67,6 +67,11 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
     assert "# Does MDLMPE use the mask layout?" in md and "| semi_ar |" in md
     assert "| reference: unigram |" in md and "Context knockout on the RoPE models" in md
     assert (out / "mechanism.png").read_bytes()[:4] == b"\x89PNG"
+    # The failed call's time counts too: the report's wall time (taken before the report is written)
+    # adds the second call's to the first's.
+    calls = json.loads((out / "wall_time.json").read_text())["calls"]
+    assert len(calls) == 2 and min(calls) > 0
+    assert calls[0] < report["meta"]["wall_time_s"] <= sum(calls)
 
     again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=200, cwd=REPO)
     check(again, "mechanism_study --toy re-run")

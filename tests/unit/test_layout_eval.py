@@ -242,3 +242,47 @@ def test_mechanism_study_training_flags_make_a_valid_pretraining_run(plan):
     if plan == "STUDY":
         assert (run.data.max_len, run.data.tokenizer_vocab, run.model.preset) == (128, 512, "llada-mech")
         assert (run.train.loss, run.train.dream_weighting, run.attention.compile) == ("dream", "none", True)
+
+
+def test_mechanism_study_paper_plan_is_the_100m_recipe_with_the_study_corruption(capsys, tmp_path):
+    """``--paper --dry-run`` plans, per (encoding, seed), the paper's llada-100m pretraining (App.
+    B.3: OpenWebText, L 1024, 200K updates, LLaDA's loss) with the study's ``mix`` corruption, and
+    the scoring on OWT's held-out slice; a flag the user passes wins; nothing is written."""
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "launch" / "mechanism_study.py"))
+    out = tmp_path / "mech"
+    assert script["main"](["--paper", "--dry-run", "--seeds", "3", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for encoding in ("rope", "mdlmpe"):
+        line = next(x for x in text.splitlines() if x.startswith(f"[mechanism] {encoding} seed 3:"))
+        for part in ("llada-100m", "max_steps 200000", "lr 0.0001", "max_len 1024", "corruption mix",
+                     "loss auto", "dataset openwebtext", "tokenizer GSAI-ML/LLaDA-8B-Base"):  # fmt: skip
+            assert part in line, (part, line)
+    assert "256 windows of openwebtext x 8 draws" in text
+    assert f"--output_dir {out}/runs/mdlmpe-seed3 --resume auto" in text
+    assert not out.exists()
+    script["main"](["--paper", "--dry-run", "--seeds", "0", "--encodings", "rope", "--max_steps", "7"])
+    assert "max_steps 7," in capsys.readouterr().out
+
+
+def test_mechanism_study_wall_clock_counts_a_killed_call(tmp_path):
+    """A study call that is killed still counts the time up to its last write: the entry is
+    rewritten while it runs, and the next call adds its own entry beside it."""
+    import json
+    import runpy
+    import time
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "launch" / "mechanism_study.py"))
+    first = script["WallClock"](tmp_path, every=0.02)  # never stopped: the call that was killed
+    time.sleep(0.2)
+    written = json.loads((tmp_path / "wall_time.json").read_text())["calls"]
+    assert len(written) == 1 and written[0] >= 0.1
+    first._done.set()
+    second = script["WallClock"](tmp_path, every=60)
+    time.sleep(0.05)
+    total = second.stop()
+    calls = json.loads((tmp_path / "wall_time.json").read_text())["calls"]
+    assert len(calls) == 2 and calls[1] >= 0.05 and total == pytest.approx(sum(calls))

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 
+from mdlmpe_ds.data.packing import PackedTokenDataset
 from mdlmpe_ds.experiments import reference_lines
 from mdlmpe_ds.experiments.knockout import mdlmpe_off, shuffle_context
 from mdlmpe_ds.experiments.layout_eval import LayoutEvalSettings, ratio_se
@@ -23,9 +26,14 @@ def _cyclic_windows(n: int, offset: int = 0) -> list[dict]:
     return [{"input_ids": (torch.arange(L) + i + offset) % (V - 1), "index": i} for i in range(n)]
 
 
-def test_ngram_tables_and_the_bigram_reads_the_clean_neighbour(monkeypatch):
-    monkeypatch.setattr(reference_lines, "load_packed_corpus", lambda *a, **k: _cyclic_windows(40))
-    log_uni, log_bi = reference_lines.ngram_log_probs("train", None, L, V)
+def _packed(windows: list[dict]) -> PackedTokenDataset:
+    """The windows as one packed stream (window i = stream tokens [i L, (i + 1) L))."""
+    stream = torch.cat([w["input_ids"] for w in windows]).numpy().astype(np.uint16)  # a store's dtype
+    return PackedTokenDataset(stream, np.array([stream.size]), L, separator_id=0)
+
+
+def test_ngram_tables_and_the_bigram_reads_the_clean_neighbour():
+    log_uni, log_bi = reference_lines.ngram_log_probs(_packed(_cyclic_windows(40)), V)
     assert torch.allclose(log_uni.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
     assert int(log_bi[3].argmax()) == 4 and log_bi[3, 4].exp() > 0.8  # the learned successor
     windows = _cyclic_windows(8, offset=5)
@@ -44,6 +52,32 @@ def test_ngram_tables_and_the_bigram_reads_the_clean_neighbour(monkeypatch):
         # clean neighbour the next token is certain, even where the neighbour itself is masked.
         assert abs(uni - math.log(V - 1)) < 0.25, (layout, uni)
         assert bi < 0.25 * uni, (layout, bi, uni)
+
+
+def test_ngram_fit_counts_in_chunks_stops_at_its_token_cap_and_never_pairs_across_windows(monkeypatch):
+    """The fit reads a corpus a chunk of windows at a time (OpenWebText's store does not fit in
+    memory as int64): chunked counts equal one-pass counts; ``max_tokens`` keeps the first windows
+    only; the last token of a window is never the left neighbour of the next window's first."""
+    rng = torch.Generator().manual_seed(0)
+    windows = [{"input_ids": torch.randint(0, V - 1, (L,), generator=rng), "index": i} for i in range(23)]
+    ids = torch.stack([w["input_ids"] for w in windows])  # [23, L]
+    counts = torch.bincount(ids.flatten(), minlength=V).double() + reference_lines.SMOOTHING
+    pairs = torch.zeros(V, V, dtype=torch.float64)
+    for row in ids:
+        for a, b in zip(row[:-1].tolist(), row[1:].tolist(), strict=True):
+            pairs[a, b] += 1
+    pairs += reference_lines.SMOOTHING
+    monkeypatch.setattr(reference_lines, "FIT_CHUNK_WINDOWS", 5)  # 23 windows: five chunks, one short
+    log_uni, log_bi = reference_lines.ngram_log_probs(_packed(windows), V)
+    torch.testing.assert_close(log_uni, (counts / counts.sum()).log(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(log_bi, (pairs / pairs.sum(-1, keepdim=True)).log(), rtol=0, atol=1e-12)
+    first = torch.bincount(ids[:7].flatten(), minlength=V).double() + reference_lines.SMOOTHING
+    capped, _ = reference_lines.ngram_log_probs(_packed(windows), V, max_tokens=7 * L + L - 1)
+    torch.testing.assert_close(capped, (first / first.sum()).log(), rtol=0, atol=1e-12)
+    big, none = reference_lines.ngram_log_probs(_packed(windows), reference_lines.BIGRAM_MAX_VOCAB + 1)
+    assert none is None and big.shape == (reference_lines.BIGRAM_MAX_VOCAB + 1,)
+    with pytest.raises(ValueError, match=f"token id {int(ids.max())} >= vocab 3"):
+        reference_lines.ngram_log_probs(_packed(windows), 3)
 
 
 def test_context_knockout_keeps_the_layout_and_permutes_visible_tokens():
