@@ -147,15 +147,18 @@ def main(argv: list[str] | None = None) -> int:
             layouts=tuple(args.layouts),
         ).validate()
         evaluated = {}
+        scored = out / "data_cache"  # the scored corpus, tokenised once into a token store
         for seed in args.seeds:
             for encoding in args.encodings:
                 directory = compare.run_dir(out, encoding, seed)
                 began = time.perf_counter()
-                evaluated[(encoding, seed)], reused = evaluate_run(directory, corpus, settings, device)
+                evaluated[(encoding, seed)], reused = evaluate_run(
+                    directory, corpus, settings, device, scored
+                )
                 what = "scores reused" if reused else f"scored in {time.perf_counter() - began:.0f} s"
                 print(f"[mechanism] {encoding} seed {seed}: {what}", flush=True)
         first = compare.run_dir(out, args.encodings[0], args.seeds[0])
-        reference = reference_lines(out, first, corpus, settings)
+        reference = reference_lines(out, first, corpus, settings, scored)
         summary = summarise_study(evaluated, settings, reference)
         meta = {
             "training": "launch/pretrain.py " + " ".join(flags),

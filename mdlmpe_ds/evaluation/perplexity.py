@@ -48,11 +48,13 @@ class CorpusScore:
 
 
 def window_batches(
-    corpus: str, tokenizer, seq_len: int, windows: int, batch_size: int, family: str
+    corpus: str, tokenizer, seq_len: int, windows: int, batch_size: int, family: str, cache_dir=None
 ) -> list[dict]:
     """The first ``windows`` packed ``seq_len``-token windows of ``corpus``, in batches of
-    ``batch_size``, each with the positions a ``family`` model is scored on (``maskable``)."""
-    packed = load_packed_corpus(corpus, tokenizer, seq_len)
+    ``batch_size``, each with the positions a ``family`` model is scored on (``maskable``).
+    ``cache_dir``: tokenise the corpus once into a token store there (the same ids; a hub corpus
+    such as OpenWebText's held-out slice is then built once, in parallel, not per call)."""
+    packed = load_packed_corpus(corpus, tokenizer, seq_len, cache_dir=cache_dir)
     n = min(windows, len(packed))
     if n == 0:
         raise ValueError(f"corpus {corpus!r} is shorter than one {seq_len}-token window")

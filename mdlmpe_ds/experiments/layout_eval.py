@@ -231,10 +231,15 @@ def summarise(
     return table
 
 
-def corpus_batches(corpus: str, tokenizer, settings: LayoutEvalSettings, family: str) -> list[dict]:
-    """The first ``settings.windows`` packed windows of ``corpus`` in batches, with ``maskable``."""
+def corpus_batches(
+    corpus: str, tokenizer, settings: LayoutEvalSettings, family: str, cache_dir=None
+) -> list[dict]:
+    """The first ``settings.windows`` packed windows of ``corpus`` in batches, with ``maskable``
+    (``cache_dir``: perplexity.window_batches)."""
 
-    return window_batches(corpus, tokenizer, settings.seq_len, settings.windows, settings.batch_size, family)
+    return window_batches(
+        corpus, tokenizer, settings.seq_len, settings.windows, settings.batch_size, family, cache_dir
+    )
 
 
 def scores_to_json(scores: dict[str, WindowScores]) -> dict:

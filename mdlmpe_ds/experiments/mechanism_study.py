@@ -52,11 +52,16 @@ def _modes(encoding: str) -> tuple[str, ...]:
 
 
 def evaluate_run(
-    directory: Path, corpus: str, settings: LayoutEvalSettings, device: str = "cpu"
+    directory: Path,
+    corpus: str,
+    settings: LayoutEvalSettings,
+    device: str = "cpu",
+    store_dir: Path | None = None,
 ) -> dict[str, dict[str, WindowScores]]:
     """``{"plain": scores, "shuffle": ..., "constant": ...}`` of one run (``constant`` for MDLMPE
     only), from the cache when it was made with the same settings and corpus. The model runs on
-    ``device`` in fp32 (not part of the cache key: the device changes the sums by rounding only)."""
+    ``device`` in fp32 (not part of the cache key: the device changes the sums by rounding only);
+    ``store_dir``: where the scored corpus is tokenised once for every run (None: in memory)."""
 
     wanted = {"settings": asdict(settings), "corpus": corpus}
     cache = directory / CACHE
@@ -68,7 +73,7 @@ def evaluate_run(
             return {name: scores_from_json(s) for name, s in saved["scores"].items()}, True
     model, tok_dir = load_model(directory, device=device)
     tokenizer = load_tokenizer(tok_dir)
-    batches = corpus_batches(corpus, tokenizer, settings, model.config.family)
+    batches = corpus_batches(corpus, tokenizer, settings, model.config.family, store_dir)
     mask_id = model.config.mask_token_id
 
     def logits(ids, valid):
@@ -95,7 +100,7 @@ def evaluate_run(
 
 
 def reference_lines(
-    out: Path, directory: Path, corpus: str, settings: LayoutEvalSettings
+    out: Path, directory: Path, corpus: str, settings: LayoutEvalSettings, store_dir: Path | None = None
 ) -> dict[str, dict[str, WindowScores]]:
     """The unigram and bigram reference lines (reference_lines.py) of ``corpus``'s scored windows,
     fitted on the training windows of the run in ``directory`` (its corpus, document split and
@@ -133,7 +138,7 @@ def reference_lines(
         role="train",
     )  # fmt: skip
     log_uni, log_bi = ngram_log_probs(windows, cfg.vocab_size, max_tokens=REFERENCE_FIT_TOKENS)
-    batches = corpus_batches(corpus, tokenizer, settings, cfg.family)
+    batches = corpus_batches(corpus, tokenizer, settings, cfg.family, store_dir)
     scores = reference_scores(batches, cfg.mask_token_id, settings, log_uni, log_bi)
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps({**wanted, "scores": {k: scores_to_json(v) for k, v in scores.items()}}) + "\n")

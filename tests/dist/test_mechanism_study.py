@@ -67,6 +67,7 @@ def test_mechanism_study_toy_end_to_end_and_rerun_reuses_runs(assets, tmp_path):
     assert "# Does MDLMPE use the mask layout?" in md and "| semi_ar |" in md
     assert "| reference: unigram |" in md and "Context knockout on the RoPE models" in md
     assert (out / "mechanism.png").read_bytes()[:4] == b"\x89PNG"
+    assert any((out / "data_cache").glob("store-*/COMPLETE"))  # the scored corpus, tokenised once
     # The failed call's time counts too: the report's wall time (taken before the report is written)
     # adds the second call's to the first's.
     calls = json.loads((out / "wall_time.json").read_text())["calls"]
