@@ -108,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     launcher = shlex.split(args.launcher) if args.launcher else compare.default_launcher()
     if args.dry_run:
-        for seed in args.seeds:
-            for encoding in args.encodings:
-                run, cmd = run_plan.planned_run(forwarded, encoding, seed, out, args.deepspeed)
-                line = f"[compare] {encoding} seed {seed}: {run_plan.describe(run)}"
-                print(f"{line}\n  {shlex.join([*launcher, *cmd])}", flush=True)
+        run_plan.print_plans("compare", args.encodings, args.seeds, forwarded, out, args.deepspeed, launcher)
         return 0
     out.mkdir(parents=True, exist_ok=True)
 

@@ -122,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     run, _ = run_plan.planned_run(flags, args.encodings[0], args.seeds[0], out, args.deepspeed)
     corpus = args.corpus or plan["corpus"]
     if args.dry_run:
-        for seed in args.seeds:
-            for encoding in args.encodings:
-                planned, cmd = run_plan.planned_run(flags, encoding, seed, out, args.deepspeed)
-                line = f"[mechanism] {encoding} seed {seed}: {run_plan.describe(planned)}"
-                print(f"{line}\n  {shlex.join([*launcher, *cmd])}", flush=True)
+        run_plan.print_plans("mechanism", args.encodings, args.seeds, flags, out, args.deepspeed, launcher)
         print(
             f"[mechanism] scoring on {device}: {args.windows or plan['windows']} windows of {corpus} x "
             f"{args.draws or plan['draws']} draws per layout {args.layouts}, every knockout",

@@ -9,6 +9,7 @@ the user forwards is read exactly as the run will read it.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -43,3 +44,17 @@ def describe(run) -> str:
         f"{o.warmup_steps or o.warmup_ratio}, corruption {t.corruption}, loss {t.loss}, dataset "
         f"{d.dataset}, tokenizer {d.tokenizer}"
     )
+
+
+def print_plans(
+    tag: str, encodings: list[str], seeds: list[int], forwarded: list[str], out: Path, ds_config: str,
+    launcher: list[str],
+) -> None:  # fmt: skip
+    """A study's ``--dry-run``: each (encoding, seed) run's plan and the command that would train it."""
+    for seed in seeds:
+        for encoding in encodings:
+            run, cmd = planned_run(forwarded, encoding, seed, out, ds_config)
+            print(
+                f"[{tag}] {encoding} seed {seed}: {describe(run)}\n  {shlex.join([*launcher, *cmd])}",
+                flush=True,
+            )
