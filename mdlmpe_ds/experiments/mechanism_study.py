@@ -38,6 +38,7 @@ from mdlmpe_ds.experiments.layout_eval import (
     scores_to_json,
 )
 from mdlmpe_ds.experiments.reference_lines import REFERENCE_FIT_TOKENS, ngram_log_probs, reference_scores
+from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.training import checkpoint as ckpt
 
 CACHE = "mechanism_eval.json"
@@ -108,8 +109,10 @@ def reference_lines(
     ``<out>/reference_lines.json`` under the settings, the scored corpus, the training data and the
     tokenizer."""
 
-    model, tok_dir = load_model(directory)
+    # the checkpoint's metadata holds all of it: the model's config, its tokenizer, its training data
+    # (no weights are consolidated, and a cache hit reads nothing else)
     saved = ckpt.read_saved_run(ckpt.resolve_checkpoint(directory))
+    cfg, tok_dir = ModelConfig.from_dict(saved.model_config, stored=True), saved.tokenizer
     data = saved.run_config["data"]
     train = {k: data.get(k) for k in ("dataset", "text_split", "text_column", "max_documents")}
     wanted = json.loads(
@@ -129,8 +132,8 @@ def reference_lines(
         if {k: saved_lines.get(k) for k in wanted} == wanted:
             return {name: scores_from_json(s) for name, s in saved_lines["scores"].items()}
     tokenizer = load_tokenizer(tok_dir)
-    cfg = model.config
-    # the run's own training windows, from the token store its training built (same key: reused)
+    # the run's own training windows, from the token store its training built (same key: reused);
+    # runs.assembly.store_dir's rule, with the run's folder where it is now
     store = Path(data["store_dir"]) if data.get("store_dir") else directory / "data_cache"
     windows = load_packed_corpus(
         train["dataset"], tokenizer, settings.seq_len, split=train["text_split"],
