@@ -17,7 +17,7 @@ checkpointing on) per design and RoPE baseline; the extra attention memory per d
 
     python benchmarks/estimate_gpu.py
     python benchmarks/estimate_gpu.py --lengths 2048 --designs current pair_bias --json est.json
-    python benchmarks/estimate_gpu.py --compile            # recompile today's kernels first (~1 min)
+    python benchmarks/estimate_gpu.py --compile            # recompile today's kernels first (~3 min)
     python benchmarks/estimate_gpu.py --no-calibration     # no compiler needed at all
     python benchmarks/estimate_gpu.py --pair-resources 8,2,255,400,196608,6   # a pair kernel's compile
     python benchmarks/estimate_gpu.py --measured           # what one H100 measured, beside the model
@@ -244,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         print_measured()
         return 0
     if args.compile:
-        print("compiling today's kernels for sm_90 ...", flush=True)
+        from sweep_launch_gpu import FUSED_CANDIDATES
+
+        print("compiling today's kernels and the H100 sweep's fused settings for sm_90 ...", flush=True)
         recorded.save(recorded.compile_kernels())
+        recorded.save(recorded.compile_sweep(FUSED_CANDIDATES), recorded.SWEEP_RECORD)
     rec = recorded.load()
     print(f"Every figure below is an {LABEL} from a model; nothing here ran on a GPU.\n")
     print_assumptions()

@@ -31,15 +31,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from gpu_cost.assumptions import Scenario
 from gpu_cost.kernel_model import Launch, Resources, Timing, Work, launch_time
 from gpu_cost.sass import LoopCounts
 from gpu_cost.step import BWD_FLOPS_RATIO, LLADA, NUM_MDLMPE, attention_flops
+from mdlmpe_ds.attention.triton.launch import PHASE_KEY_SPAN, launch_config
 
 DESIGNS = ("current", "no_rewrite", "pair_bias", "pair_bias_tc")
 #: Attention with an additive bias used by the pair-bias designs.
 BIAS_ATTENTION = ("triton", "sdpa")
-TILE, GROUP, PHASE_TILE, PHASE_SPAN = 64, 2, 16, 256
+#: Today's fused kernels at the launcher's sm_90 bf16 settings (d_h 128): the attention kernels'
+#: tile and heads per program, the phase kernels' tile and key span.
+_LAUNCH = launch_config(LLADA["head_dim"], torch.bfloat16, 90)
+TILE, GROUP, PHASE_TILE, PHASE_SPAN = (
+    _LAUNCH.tile,
+    _LAUNCH.heads_per_program,
+    _LAUNCH.phase_tile,
+    PHASE_KEY_SPAN,
+)
+#: Heads per program of each recorded variant (``recorded.VARIANTS``): the no-rewrite tune-up
+#: ("w8s2") was designed at 2.
+VARIANT_GROUP = {"default": GROUP, "w8s2": 2}
 
 #: FP32 operations per (head, i, j, pair) the pair kernels of (a) and (b) execute (counted from the
 #: algebra: E = alpha C + beta S with C, S 2 FMAs each; backward a = dE alpha, b = dE beta, dq / dk
@@ -110,11 +124,16 @@ def per_pair_element(res: Resources, counts: LoopCounts) -> Work:
     return counts_work(res, counts).scaled(1.0 / (PHASE_TILE**2 * NUM_MDLMPE))
 
 
-def current_layer(length: int, sc: Scenario, rec: dict, variant: str = "default") -> LayerEstimate:
-    """Today's four kernels (variant "default") or the no-rewrite tune-up (variant "w8s2")."""
+def current_layer(
+    length: int, sc: Scenario, rec: dict, variant: str = "default", shape: tuple[int, int] | None = None
+) -> LayerEstimate:
+    """Today's four kernels (variant "default") or the no-rewrite tune-up (variant "w8s2");
+    ``shape`` = (tile, heads per program) with a ``rec`` variant compiled at them: the attention
+    kernels at another launch setting (the H100 sweep's, ``measured.sweep_model_rows``)."""
     heads, d, m = LLADA["heads"], LLADA["head_dim"], NUM_MDLMPE
-    lp = math.ceil(length / TILE) * TILE
-    tiles, groups = lp // TILE, heads // GROUP
+    tile, group = shape or (TILE, VARIANT_GROUP[variant])
+    lp = math.ceil(length / tile) * tile
+    tiles, groups = lp // tile, heads // group
     tuned = variant == "w8s2"
     ab = 2 if tuned else 4  # bytes of one alpha / beta element
     plane = m * lp * lp  # elements of one [|M|, L, L] pair plane
@@ -128,16 +147,16 @@ def current_layer(length: int, sc: Scenario, rec: dict, variant: str = "default"
         res, counts = rec[variant][kernel]
         if tuned:
             res = replace(res, barriers=res.barriers / 32, source=res.source + "; barriers / 32 assumed")
-        operands = 2 * GROUP * TILE * d * 2 + GROUP * TILE * (d // 2) * 4  # two bf16 tiles, pair parts
-        work = replace(counts_work(res, counts), l2_bytes=reloads * 2 * m * TILE**2 * ab + operands)
+        operands = 2 * group * tile * d * 2 + group * tile * (d // 2) * 4  # two bf16 tiles, pair parts
+        work = replace(counts_work(res, counts), l2_bytes=reloads * 2 * m * tile**2 * ab + operands)
         hbm = 2 * plane * ab + qkvo
         if kernel == "backward":
             # d delta (16 head groups on the same lines at once), dQ + dqp (the key tiles resident
             # together, ~SMs / groups), dkp (this program only).
             adds = [
-                (m * TILE**2, groups),
-                (GROUP * TILE * (d + 2 * m), sc["sms"] / groups),
-                (GROUP * TILE * m * 2, 1),
+                (m * tile**2, groups),
+                (group * tile * (d + 2 * m), sc["sms"] / groups),
+                (group * tile * m * 2, 1),
             ]
             total = sum(a for a, _ in adds)
             work = replace(work, atomics=total, atomic_degree=sum(a * g for a, g in adds) / total)

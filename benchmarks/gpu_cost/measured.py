@@ -1,6 +1,8 @@
 """What one H100 measured (``measured_h100.json``), set beside the model's ESTIMATE of the same
 quantities: per kernel, per MDLMPE layer, the RoPE side's rates, the calibration kernel, and the
-LLaDA-8B step ratio assembled from the measured pieces.
+LLaDA-8B step ratio assembled from the measured pieces; the launch-settings sweep
+(``sweep_h100.json``, with the model's estimate at every fused setting) and Nsight Compute's
+counters of every kernel (``counters_h100.json``, beside the model's binding term and L2 traffic).
 
 The record comes from ``benchmarks/bench_attention_gpu.py`` (and ``--calibrate``) run on a lent
 H100; its fields say which command, software and settings. The step ratio is *assembled*, not a
@@ -30,14 +32,17 @@ from gpu_cost import designs, pair_built, recorded, step
 from gpu_cost.assumptions import SCENARIOS, Scenario
 
 RECORD = Path(__file__).with_name("measured_h100.json")
+#: The launch-settings sweep (``benchmarks/sweep_launch_gpu.py``) and the Nsight Compute counters.
+SWEEP = Path(__file__).with_name("sweep_h100.json")
+COUNTERS = Path(__file__).with_name("counters_h100.json")
 #: Backend name -> (the model's design, the benchmark's method name).
 BACKENDS = {"triton": ("current", "mdlmpe_triton"), "triton-pair": ("pair_bias", "mdlmpe_triton_pair")}
 #: Kernels of triton-pair that run again in the recompute of a checkpointed layer.
 RECOMPUTED = ("pair_forward", "attn_bias_fwd (sdpa)")
 
 
-def load() -> dict:
-    return json.loads(RECORD.read_text())
+def load(path: Path = RECORD) -> dict:
+    return json.loads(path.read_text())
 
 
 def lengths(record: dict) -> list[int]:
@@ -205,3 +210,171 @@ def calibration_table(record: dict) -> str:
             + " |",
         ]
     )
+
+
+def before_after_table(record: dict) -> str:
+    """docs/gpu.md's table: one layer's MDLMPE attention (fwd + bwd, ms) and the assembled step
+    ratio at the launch settings before the sweep (``record["previous"]``) and now."""
+    ns = lengths(record)
+    lines = [
+        "| backend | quantity | " + " | ".join(f"L = {n}" for n in ns) + " |",
+        "|---" * (len(ns) + 2) + "|",
+    ]
+    then = {"benchmark": {"lengths": record["previous"]["lengths"]}}
+    for backend, (_, method) in BACKENDS.items():
+        for label, rec in (("before", then), ("now", record)):
+            ms = " | ".join(f"{rec['benchmark']['lengths'][str(n)]['ms'][method]:.1f}" for n in ns)
+            lines.append(f"| `{backend}` | layer ms, {label} | {ms} |")
+        for label, rec in (("before", then), ("now", record)):
+            got = " | ".join(f"{measured_step_ratio(rec, backend, n):.2f}×" for n in ns)
+            lines.append(f"| `{backend}` | step ratio, {label} | {got} |")
+    return "\n".join(lines)
+
+
+#: The kernels each backend's sweep table shows, in launch order.
+SWEEP_KERNELS = {
+    "triton": ("forward", "backward"),
+    "triton-pair": ("pair_forward", "pair_backward_q", "pair_backward_k"),
+}
+
+
+def sweep_table(sweep: dict, backend: str) -> str:
+    """docs/gpu.md's table of the launch-settings sweep for ``backend``: every setting that ran,
+    fastest layer first, ms per kernel and per layer (fwd + bwd at the sweep's length)."""
+    kernels = SWEEP_KERNELS[backend]
+    rows = [
+        (key.split("/", 1)[1], run)
+        for part in ("confirm", "sweep")
+        for key, run in sweep[part]["runs"].items()
+        if key.startswith(backend + "/") and "layer_ms" in run
+    ]
+    seen, unique = set(), []
+    for name, run in rows:  # the confirm run of a setting replaces the sweep's
+        if name not in seen:
+            seen.add(name)
+            unique.append((name, run))
+    unique.sort(key=lambda item: item[1]["layer_ms"])
+    lines = ["| setting | layer ms | " + " | ".join(kernels) + " |", "|---" * (len(kernels) + 2) + "|"]
+    for name, run in unique:
+        cells = " | ".join(f"{run['kernels_ms'][k]:.2f}" for k in kernels)
+        lines.append(f"| {name} | {run['layer_ms']:.1f} | {cells} |")
+    return "\n".join(lines)
+
+
+#: Counter columns of docs/gpu.md's table: (record key, header).
+COUNTER_COLUMNS = (
+    ("warps_per_scheduler", "warps / scheduler"),
+    ("issue_active_pct", "issue active %"),
+    ("fma_pipe_pct", "FMA pipe %"),
+    ("l1tex_pct", "L1 %"),
+    ("l2_pct", "L2 %"),
+    ("l2_gb", "L2 GB"),
+)
+
+
+def counter_rows(counters: dict, length: int = 2048) -> list[dict]:
+    """Per kernel, at the current settings: the counters, and the model's ESTIMATE (central) of
+    the same launch: its time, its binding term and its L2 traffic."""
+    rec = recorded.load()
+    sc = Scenario("central")
+    model = {t.name: t for t in designs.layer("current", length, sc, rec).timings}
+    model.update({t.name: t for t in pair_built.built_layer(length, sc, rec).timings})
+    out = []
+    for kernel, got in counters["current"].items():
+        est = model[kernel]
+        runs = 2 if kernel == "phase_forward" else 1  # the model's phase_forward is both launches
+        out.append(
+            dict(
+                kernel=kernel, got=got, model_ms=est.ms / runs, bound=est.bound, model_l2_gb=est.l2_gb / runs
+            )
+        )
+    return out
+
+
+def counter_table(counters: dict) -> str:
+    """docs/gpu.md's table: Nsight Compute's counters of each kernel beside the model's ESTIMATE
+    of the same launch (L = 2048, the launchers' settings)."""
+    head = " | ".join(h for _, h in COUNTER_COLUMNS)
+    lines = [
+        f"| kernel | ms | {head} | largest stall | model ms | model's binding term | model L2 GB |",
+        "|---" * (len(COUNTER_COLUMNS) + 6) + "|",
+    ]
+    for row in counter_rows(counters):
+        got = row["got"]
+        cells = " | ".join(f"{got[k]:g}" for k, _ in COUNTER_COLUMNS)
+        stall, warps = got["top_stalls"][0]
+        lines.append(
+            f"| {row['kernel']} | {got['ms']:.2f} | {cells} | {stall.replace('_', ' ')} ({warps:g}) | "
+            f"{row['model_ms']:.2f} | {row['bound']} | {row['model_l2_gb']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (no ties in these timings)."""
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(a)
+    return 1.0 - 6.0 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def sweep_model_rows(sweep: dict, length: int = 2048) -> list[dict]:
+    """Per ``triton`` setting of the H100 sweep: the measured forward and backward ms beside the
+    model's central ESTIMATE of the same kernels, each compiled at that setting
+    (``recorded.SWEEP_RECORD``), fastest measured backward first."""
+    from sweep_launch_gpu import FUSED_CANDIDATES
+
+    base, compiled = recorded.load(), recorded.load(recorded.SWEEP_RECORD)
+    sc = Scenario("central")
+    rows = []
+    for name, run in sorted(_fused_runs(sweep).items(), key=lambda item: item[1]["kernels_ms"]["backward"]):
+        settings = FUSED_CANDIDATES[name]
+        shape = (settings["block_size"], settings["heads_per_program"])
+        rec = {"default": base["default"], name: compiled[name]}
+        model = {t.name: t.ms for t in designs.current_layer(length, sc, rec, name, shape).timings}
+        rows.append(
+            dict(
+                setting=name,
+                measured={k: run["kernels_ms"][k] for k in ("forward", "backward")},
+                model={k: model[k] for k in ("forward", "backward")},
+            )
+        )
+    return rows
+
+
+def _fused_runs(sweep: dict) -> dict[str, dict]:
+    runs = {}
+    for part in ("sweep", "confirm"):  # the confirm run of a setting replaces the sweep's
+        for key, run in sweep[part]["runs"].items():
+            if key.startswith("triton/") and "kernels_ms" in run:
+                runs[key.split("/", 1)[1]] = run
+    return runs
+
+
+def sweep_model_table(sweep: dict) -> str:
+    """docs/gpu.md's table: the model's ESTIMATE of the fused kernels at each swept setting beside
+    the H100's measurement, and the rank correlation of the two."""
+    rows = sweep_model_rows(sweep)
+    lines = [
+        "| setting | backward measured | backward model | forward measured | forward model |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        got, est = r["measured"], r["model"]
+        lines.append(
+            f"| {r['setting']} | {got['backward']:.1f} | {est['backward']:.1f} | "
+            f"{got['forward']:.2f} | {est['forward']:.2f} |"
+        )
+    rho = {
+        k: spearman([r["measured"][k] for r in rows], [r["model"][k] for r in rows])
+        for k in ("backward", "forward")
+    }
+    lines.append(f"| rank correlation (Spearman) | | {rho['backward']:.2f} | | {rho['forward']:.2f} |")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ What the cases reach, and why:
   defect this test was written for (LP = 272 at span 256 left a key span unwritten). The default
   span (256) needs L > 256, slow in the interpreter, so most fast cases shrink it (16 or 32) and
   keep L small (tiles of 8 and 16: the interpreter's cost grows with the number of programs); one
-  fast case runs the real sm_90 bf16 launch settings (tile 64, 2 heads per
+  fast case runs the real sm_90 bf16 launch settings (tile 64, 1 head per
   program, phase tile 16, span 256) at L = 272.
 - whole-plane launches (symmetric half plane, mirror stores) and row blocks (a small pair-buffer
   budget); batch 1-3 with ragged key padding, a padding-only sequence; GQA 1:1, 2:1, 4:1; all,
@@ -112,7 +112,7 @@ FAST = [
     Case(21, pads=(2, 0), hq=4, hkv=2, active="01", dtype="bfloat16", launch="tile=8", key_span=16),
     # no KV head active: plain RoPE, no kernel launched.
     Case(19, pads=(0, 4), hq=2, hkv=2, active="00", launch="tile=8", key_span=16),
-    # the sm_90 bf16 defaults (tile 64, G 2, phase tile 16, span 256): LP = 320, spans 256 + 64.
+    # the sm_90 bf16 defaults (tile 64, G 1, phase tile 16, span 256): LP = 320, spans 256 + 64.
     Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
 ]
 

@@ -81,3 +81,15 @@ def test_totals_follow_from_steps_batch_and_seeds():
     low, high = est["scenarios"]["low"], est["scenarios"]["high"]
     assert low["study_gpu_hours"] < central["study_gpu_hours"] < high["study_gpu_hours"]
     assert low["exposed_comm_ms"] == 0 and high["exposed_comm_ms"] > central["exposed_comm_ms"]
+
+
+def test_the_docs_quote_the_estimate_as_it_is_now():
+    """README and docs/results.md quote the study's GPU-hours as the estimate computes them from
+    today's record (it moves whenever the H100 record does)."""
+    repo = Path(__file__).resolve().parents[2]
+    hours = {s: c["study_gpu_hours"] for s, c in study_run.study_estimate()["scenarios"].items()}
+    low, central, high = round(hours["low"]), round(hours["central"]), round(hours["high"])
+    results = (repo / "docs" / "results.md").read_text()
+    assert f"| whole study (10 runs + scoring), H100 GPU-hours | {low} | {central} | {high} |" in results
+    readme = " ".join((repo / "README.md").read_text().split())
+    assert f"ESTIMATE is {round(central, -1)} H100 GPU-hours ({low}–{high}; docs/results.md)" in readme

@@ -40,7 +40,8 @@ PAIR_CASES = [
     Case(21, pads=(2, 0), hq=4, hkv=2, active="01", dtype="bfloat16", launch="tile=8"),
     # no KV head active: plain RoPE SDPA, no kernel launched.
     Case(19, pads=(0, 4), hq=2, hkv=2, active="00", launch="tile=8"),
-    # the sm_90 launch settings (8 x 16 tiles, chunk 16) at L = 42: the last row and key tiles ragged.
+    # the sm_90 launch settings (16 x 8 tiles, the key side 32 x 8, chunk 16) at L = 42: the last row
+    # and key tiles ragged in all three kernels.
     Case(42, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
 ]
 #: The backward's split loops forced: L = 52 at tile 8 is 7 row and 7 key tiles; 3 splits are
@@ -62,7 +63,7 @@ def _launch(case: Case):
     tile, *splits = case.launch.removeprefix("tile=").split(",")
     forced = {"keys": "key_splits", "rows": "row_splits"}
     extra = {forced[k]: int(v) for k, v in (item.split("=") for item in splits)}
-    return PairLaunchConfig(tile_m=int(tile), tile_n=int(tile), pair_chunk=2, **extra)
+    return PairLaunchConfig.uniform(int(tile), int(tile), pair_chunk=2, **extra)
 
 
 def compare_pair(case: Case) -> dict[str, float]:
@@ -157,7 +158,8 @@ def test_backward_splits_fill_the_gpu_within_the_slot_bound():
             shape = dict(length=length, batch=batch, num_heads=32, num_kv=32, num_pairs=32)
             splits = pair_backward_splits(config, **shape, bias_itemsize=2, sms=132)
             bias_bytes = batch * 2 * 32 * length**2 * 2
-            for side, tile, loop_tile in (("q", 8, 16), ("k", 16, 8)):
+            # (programs' tile, loop's tile): the query side's 16 x 8, the key side's 32 x 8
+            for side, tile, loop_tile in (("q", 16, 8), ("k", 8, 32)):
                 parts, per = splits[side]
                 loop = math.ceil(length / loop_tile)
                 assert (parts - 1) * per < loop <= parts * per  # every part has tiles
@@ -166,11 +168,11 @@ def test_backward_splits_fill_the_gpu_within_the_slot_bound():
                 capped = (parts + 1) * batch * 32 * length * 64 * 4 > PAIR_SLOT_FRACTION * bias_bytes
                 assert programs >= 4 * 132 or capped
             got[length, batch] = (splits["q"][0], splits["k"][0])
-    assert got[1024, 1] == (2, 2) and got[2048, 1] == (3, 4) and got[4096, 1] == (2, 3)  # docstring
-    assert got[8192, 1] == (1, 2) and got[4096, 4] == (1, 1)
+    assert got[1024, 1] == (2, 2) and got[2048, 1] == (4, 3) and got[4096, 1] == (3, 2)  # docstring
+    assert got[8192, 1] == (2, 1) and got[4096, 4] == (1, 1)
     forced = PairLaunchConfig(key_splits=5, row_splits=2000)
     splits = pair_backward_splits(forced, **shape, bias_itemsize=2, sms=132)
-    assert splits == {"q": split_loop(512, 5), "k": (1024, 1)} and split_loop(512, 5) == (5, 103)
+    assert splits == {"q": split_loop(1024, 5), "k": (256, 1)} and split_loop(1024, 5) == (5, 205)
 
 
 @pytest.mark.slow

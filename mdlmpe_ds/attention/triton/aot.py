@@ -35,6 +35,7 @@ from mdlmpe_ds.attention.triton.launch import (
     launch_config,
     pair_constexprs,
     pair_kernel_options,
+    pair_kernel_settings,
     pair_launch_config,
 )
 from mdlmpe_ds.pe.phase import mdlmpe_pairs
@@ -79,8 +80,9 @@ class KernelResources:
         c = self.config
         cap = c.max_registers
         if self.kernel in PAIR_KERNELS:
-            shape = f"tile={c.tile_m}x{c.tile_n} chunk={c.pair_chunk} warps={c.num_warps}"
-            cap = pair_kernel_options(c, self.kernel)["maxnreg"]
+            own = pair_kernel_settings(c, self.kernel)
+            shape = f"tile={own.tile_m}x{own.tile_n} chunk={c.pair_chunk} warps={own.num_warps}"
+            cap = own.max_registers
         elif self.kernel in PHASE_KERNELS:
             shape = f"tile={c.phase_tile} chunk={c.pair_chunk} warps={c.phase_warps}"
         else:
@@ -159,6 +161,7 @@ def compile_cubin(
             dtype=dtype,
             config=pair_config,
             interpreting=False,
+            kernel=kernel,
         )
         return compile_function(
             _pair_kernel_fn(kernel), meta, dtype, capability, pair_kernel_options(pair_config, kernel)

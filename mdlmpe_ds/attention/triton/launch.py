@@ -67,15 +67,16 @@ class LaunchConfig:
 def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchConfig:
     """The launch settings for head size ``head_dim``, q/k/v ``dtype`` and compute capability
     ``capability`` (e.g. 90 for sm_90), chosen from ahead-of-time compiles (table in the report of
-    tests/unit/test_triton_resources.py) and the cost model of benchmarks/estimate_gpu.py.
+    tests/unit/test_triton_resources.py) and, on sm_90, from GPU measurements.
 
-    - 4 warps for the attention kernels: the per-head [tile, tile] pair loops then keep a head's
-      tile inside fewer warps, and the estimated backward is 1.6x faster than with 8.
-    - 16-bit inputs on sm_90: tile 64, 2 heads per program (the backward needs 176 KB of shared
-      memory of 227 KB; ESTIMATED step ratio at L = 2048: tile 64 / G 2: 2.27x, tile 32 / G 4:
-      2.7x, tile 32 / G 2: 3.1x). It spills (forward 0.8 KB, backward 2 KB per thread; the model
-      counts that traffic): the fastest setting without spills, 8 warps and one head per program,
-      is estimated 18% slower in the backward. On sm_80 (A100, 163 KB) tile 32, G = 2 (88 KB).
+    - 16-bit inputs on sm_90: tile 64, one head per program, 8 warps. **Measured** on one H100
+      (``benchmarks/sweep_launch_gpu.py``, LLaDA-8B layer, L = 2048, 2026-11-28; 15 settings):
+      the backward 19.5 ms against 33.2 ms at the previous tile 64 / 2 heads / 4 warps (the cost
+      model had ranked that one first), the layer fwd + bwd 32.3 ms against 46.3. It compiles
+      without spills (forward 185, backward 250 registers; 64 / 96 KiB of shared memory). What
+      the sweep found slower: 2 heads per program (8 warps 22.5 ms, 4 warps 33.2), tile 32
+      (23.5-48.8), a register cap of 168 or 128 (25.2-34.5: spills), 2 pipelining stages (the same).
+    - 16-bit inputs on sm_80 (A100, 163 KB): tile 32, G = 2, 4 warps (88 KB; not measured on a GPU).
     - fp32 inputs (tests, debugging): tile 16, G = 2, within both GPUs' shared memory.
     - 1 pipelining stage: the kernels are bound by the pair arithmetic on CUDA cores, not by the
       k / v loads a deeper pipeline would prefetch into shared memory.
@@ -100,11 +101,11 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> LaunchC
             CHECKED_CAPABILITIES,
         )
     if dtype == torch.float32:
-        tile, heads = 16, 2
+        tile, heads, warps = 16, 2, 4
     else:
-        tile, heads = (64, 2) if capability >= 90 else (32, 2)
+        tile, heads, warps = (64, 1, 8) if capability >= 90 else (32, 2, 4)
     return LaunchConfig(
-        tile=tile, heads_per_program=heads, pair_chunk=16, num_warps=4, num_stages=1, max_registers=255
+        tile=tile, heads_per_program=heads, pair_chunk=16, num_warps=warps, num_stages=1, max_registers=255
     )
 
 
@@ -216,44 +217,82 @@ PAIR_KERNELS = ("pair_forward", "pair_backward_q", "pair_backward_k")
 
 @dataclass(frozen=True)
 class PairLaunchConfig:
-    """Static launch parameters of the pair-bias kernels: a ``tile_m`` x ``tile_n`` (i, j) tile per
-    program or loop step (its [tile_m tile_n, F] MLP input and [tile_m, tile_n, pair_chunk]
-    alpha, beta live in registers; the forward's grid is (L / tile_m, L / tile_n, B), the
-    backward's query side (L / tile_m, key splits, B), its key side (L / tile_n, row splits, B)),
-    ``pair_chunk`` MDLMPE pairs per chunk of the MLP's output layer (>= 16 on a GPU: a tile
-    product), ``num_warps`` and ``max_registers`` (PTX ``.maxnreg``). ``key_splits`` /
-    ``row_splits``: how many parts the backward's query-side key loop / key-side row loop is cut
-    into; 0 (the default) lets ``pair_backward_splits`` choose per call, a positive value is taken
-    as given (tests, sweeps)."""
+    """Static launch parameters of the pair-bias kernels. Each kernel has its own tile, warps and
+    register cap (``pair_kernel_settings``): the forward and the query-side backward take
+    ``tile_m`` x ``tile_n``, ``num_warps``, ``max_registers``; the key-side backward
+    ``key_tile_m`` x ``key_tile_n``, ``key_num_warps``, ``key_max_registers``. A kernel's
+    (i, j) tile is its work per program or loop step (its [tile_m tile_n, F] MLP input and
+    [tile_m, tile_n, pair_chunk] alpha, beta live in registers): the forward's grid is
+    (L / tile_m, L / tile_n, B), the query side's (L / tile_m, key splits, B) over key tiles of
+    tile_n, the key side's (L / key_tile_n, row splits, B) over row tiles of key_tile_m.
+    ``pair_chunk``: MDLMPE pairs per chunk of the MLP's output layer (>= 16 on a GPU: a tile
+    product). ``key_splits`` / ``row_splits``: how many parts the query side's key loop / the key
+    side's row loop is cut into; 0 (the default) lets ``pair_backward_splits`` choose per call, a
+    positive value is taken as given (tests, sweeps). The defaults are the sm_90 choice
+    (``pair_launch_config``)."""
 
-    tile_m: int = 8
-    tile_n: int = 16
+    tile_m: int = 16
+    tile_n: int = 8
     pair_chunk: int = 16
     num_warps: int = 8
     max_registers: int = 255
     key_splits: int = 0
     row_splits: int = 0
-    #: ``.maxnreg`` of the key-side backward alone: 128 lets two 8-warp CTAs share an SM's 64 K
-    #: registers (at its uncapped 166, one fits), so the split programs can hide each other's HBM
-    #: latency on the dBias stream; it costs 32 B of spill per thread at d_h 128 on sm_90.
+    key_tile_m: int = 32
+    key_tile_n: int = 8
+    key_num_warps: int = 8
+    #: 128 lets two 8-warp key-side CTAs share an SM's 64 K registers (measured: 7.4 ms at
+    #: L = 2048 against 16.5 ms uncapped at 16 x 8, ``pair_launch_config``).
     key_max_registers: int = 128
+
+    @classmethod
+    def uniform(cls, tile_m: int, tile_n: int, num_warps: int = 8, max_registers: int = 255, **rest):
+        """One tile, warp count and register cap for all three kernels (tests, sweeps); ``rest``:
+        the other fields (``key_max_registers`` defaults to ``max_registers`` here)."""
+        rest.setdefault("key_max_registers", max_registers)
+        return cls(
+            tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, max_registers=max_registers,
+            key_tile_m=tile_m, key_tile_n=tile_n, key_num_warps=num_warps, **rest,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PairKernelSettings:
+    """One pair kernel's tile (rows x keys), warps and register cap."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    max_registers: int
+
+
+def pair_kernel_settings(config: PairLaunchConfig, kernel: str) -> PairKernelSettings:
+    """The tile, warps and register cap ``kernel`` runs with under ``config``."""
+    if kernel not in PAIR_KERNELS:
+        raise ValueError(f"pair kernel {kernel!r}: expected one of {PAIR_KERNELS}")
+    if kernel == "pair_backward_k":
+        c = config
+        return PairKernelSettings(c.key_tile_m, c.key_tile_n, c.key_num_warps, c.key_max_registers)
+    return PairKernelSettings(config.tile_m, config.tile_n, config.num_warps, config.max_registers)
 
 
 def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> PairLaunchConfig:
     """The pair-bias kernels' launch settings for ``head_dim``, ``dtype`` and sm_``capability``
-    (the same everywhere so far), chosen from ahead-of-time compiles (sm_90, bf16, d_h 128;
-    tests/unit/test_triton_resources.py prints and bounds them):
+    (the same everywhere so far), each kernel's chosen by **measurement** on one H100
+    (``benchmarks/sweep_launch_gpu.py``: 18 settings, LLaDA-8B layer, L = 2048, 2026-11-28):
 
-    - 8 x 16 tiles, 8 warps: the forward and the key-side backward compile without spills; the
-      query-side backward, which holds the phase MLP's hidden layer and its gradient through the
-      head loop (like the fused ``phase_bwd_kernel``), spills 224 B per thread at d_h 128 (none
-      at 64; 216 before its key loop was split). Measured alternatives at d_h 128 (before the
-      split): 16 x 16 / 8 warps 1,576 B; 16 x 16 / 4 warps 3,224 B; 8 x 16 / 4 warps 1,048 B;
-      16 x 8 / 8 warps 304 B; 8 x 8 / 8 warps 72 B (but twice the programs reloading A, D and the
-      pair components); 8 x 16 / 16 warps 96 B. On sm_80 the same settings spill 736 / 1,624 B
-      there (d_h 64 / 128; its tile products keep operands in registers): sm_90 is the target
-      these settings were chosen for.
+    - forward and query-side backward: 16 x 8 tiles, 8 warps (forward 4.6 ms, query side 17.6 ms;
+      at the previous 8 x 16 / 8 warps 6.4 and 18.4). The query side holds the phase MLP's hidden
+      layer and its gradient through the head loop and spills at every tile that fits (328 B at
+      16 x 8, 224 B at 8 x 16); a cap of 128 registers (16 warps) made it 1.2-2.5x slower.
+    - key-side backward: 32 x 8 tiles (a program owns 8 keys and loops over row tiles of 32),
+      8 warps under 128 registers, so two CTAs share an SM: 7.4 ms, against 13.6 at the previous
+      8 x 16 and 9.9 at 16 x 8 (16.5 uncapped there). It spills 216 B per thread.
     - pairs in chunks of 16 (the smallest tile product), one pipelining stage.
+    - The layer (the three kernels and SDPA's biased attention, fwd + bwd): 33.8 ms, against 42.0
+      at the sweep's 8 x 16 / 8 warps for all three (``make gpu-check``'s benchmark; the records
+      in benchmarks/gpu_cost/).
+    On sm_80 (not measured on a GPU) the same settings are used.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"triton pair launch config: dtype {dtype} is not bf16, fp16 or fp32")
@@ -272,10 +311,12 @@ def pair_constexprs(
     dtype: torch.dtype,
     config: PairLaunchConfig,
     interpreting: bool,
+    kernel: str,
     tau_max: float = 0.25,
 ) -> dict[str, object]:
-    """The tl.constexpr arguments of the pair-bias kernels (all three share them): the phase
-    kernels' padding rules (``kernel_constexprs``), the tile, and REP = Hq / Hkv."""
+    """The tl.constexpr arguments of pair-bias kernel ``kernel``: the phase kernels' padding rules
+    (``kernel_constexprs``), the kernel's own tile (``pair_kernel_settings``), and REP = Hq / Hkv."""
+    tile = pair_kernel_settings(config, kernel)
     floor = 1 if interpreting else 16
     mc = min(pow2(num_mdlmpe, floor), config.pair_chunk)
     return dict(
@@ -284,8 +325,8 @@ def pair_constexprs(
         HP=pow2(hidden, floor),
         MC=mc,
         NC=math.ceil(num_mdlmpe / mc),
-        BM=config.tile_m,
-        BN=config.tile_n,
+        BM=tile.tile_m,
+        BN=tile.tile_n,
         PREC="ieee" if dtype == torch.float32 else "tf32",
         POLY=abs(tau_max) <= POLY_TAU_MAX,
     )
@@ -329,32 +370,33 @@ def pair_backward_splits(
     "k": (row splits, row tiles per split)} (``split_loop``).
 
     Why: without splits the query side has L / tile_m x B programs, each over all L / tile_n key
-    tiles, and the key side L / tile_n x B programs (128 at L = 2048, batch 1: less than one per
-    SM of an H100) each over all row tiles; a program's loop is a long dependent chain (load,
-    phase MLP, pair arithmetic) whose latency few warps per SM cannot hide, and a grid of about
-    one wave leaves SMs idle at its end. Rule: the smallest split count giving ``PAIR_WAVES``
-    waves (programs >= 4 x SMs, so the grid is cut into programs short enough that the last wave
-    is a small part of the time, and as many CTAs as fit beside one another on an SM have work),
+    tiles, and the key side L / key_tile_n x B programs (256 at L = 2048, batch 1: two per SM of
+    an H100) each over all row tiles; a program's loop is a long dependent chain (load, phase MLP,
+    pair arithmetic) whose latency few warps per SM cannot hide, and a grid of one or two waves
+    leaves SMs idle at its end. Rule: the smallest split count giving ``PAIR_WAVES`` waves
+    (programs >= 4 x SMs, so the grid is cut into programs short enough that the last wave is a
+    small part of the time, and as many CTAs as fit beside one another on an SM have work),
     capped so that each kernel's fp32 partial pair gradients, splits x B x H x L x 2 |M| x 4 bytes
     (H = Hq for the query side, Hkv for the key side), stay within ``PAIR_SLOT_FRACTION`` of the
     bias and its gradient (B x 2 Hq L^2 x itemsize bytes). For LLaDA-8B (Hq = Hkv = 32,
     |M| = 32, bf16) one split's slots are 64 / L of the bias memory, so at most L / 512 splits:
-    L = 1024 gets 2 / 2 (query / key side), 2048 gets 3 / 4, 4096 gets 2 / 3 (key side: 96 MiB
-    of slots, 2 GiB of bias and gradient). The partials are summed in torch in split order: a
-    deterministic backward. ``config.key_splits`` / ``row_splits`` > 0 are taken as given.
+    at the sm_90 settings L = 1024 gets 2 / 2 (query / key side), 2048 gets 4 / 3, 4096 gets
+    3 / 2 (query side: 96 MiB of slots, 2 GiB of bias and gradient). The partials are summed in
+    torch in split order: a deterministic backward. ``config.key_splits`` / ``row_splits`` > 0 are
+    taken as given.
 
-    What splits alone cannot do: raise the warps resident per SM. That is set by registers: at
-    these settings (sm_90, d_h 128, 8 warps) the query side uses 255 registers per thread and the
-    key side 166, so one CTA (8 warps) fits an SM's 64 K registers either way; more waves then
-    keep every SM busy to the end but hide no more latency. Two CTAs per SM need <= 128
-    registers: the key side runs under ``PairLaunchConfig.key_max_registers`` = 128 (32 B of spill
-    per thread), so its split programs do share SMs; the query side would spill 1,112 B there.
+    What splits alone cannot do: raise the warps resident per SM. That is set by registers: the
+    query side uses 255 registers per thread, so one 8-warp CTA fits an SM's 64 K registers; more
+    waves then keep every SM busy to the end but hide no more latency. The key side runs under
+    ``PairLaunchConfig.key_max_registers`` = 128, so two of its CTAs share an SM (measured faster,
+    ``pair_launch_config``); the query side spills over 1 KB per thread there.
     """
     bias_bytes = batch * 2 * num_heads * length**2 * bias_itemsize
     out = {}
+    c = config
     for side, programs, loop, heads, forced in (
-        ("q", -(-length // config.tile_m), -(-length // config.tile_n), num_heads, config.key_splits),
-        ("k", -(-length // config.tile_n), -(-length // config.tile_m), num_kv, config.row_splits),
+        ("q", -(-length // c.tile_m), -(-length // c.tile_n), num_heads, c.key_splits),
+        ("k", -(-length // c.key_tile_n), -(-length // c.key_tile_m), num_kv, c.row_splits),
     ):
         splits = forced
         if splits <= 0:
@@ -366,10 +408,8 @@ def pair_backward_splits(
 
 
 def pair_kernel_options(config: PairLaunchConfig, kernel: str) -> dict[str, object]:
-    """Triton's launch / compile options of pair-bias kernel ``kernel`` (one pipelining stage: no
-    loads worth prefetching into shared memory, the work is the pair arithmetic; the key-side
-    backward under its own register cap, ``PairLaunchConfig.key_max_registers``)."""
-    if kernel not in PAIR_KERNELS:
-        raise ValueError(f"pair kernel {kernel!r}: expected one of {PAIR_KERNELS}")
-    registers = config.key_max_registers if kernel == "pair_backward_k" else config.max_registers
-    return dict(num_warps=config.num_warps, num_stages=1, maxnreg=registers, enable_fp_fusion=FP_FUSION)
+    """Triton's launch / compile options of pair-bias kernel ``kernel``: its own warps and register
+    cap (``pair_kernel_settings``), one pipelining stage (no loads worth prefetching into shared
+    memory, the work is the pair arithmetic)."""
+    own = pair_kernel_settings(config, kernel)
+    return dict(num_warps=own.num_warps, num_stages=1, maxnreg=own.max_registers, enable_fp_fusion=FP_FUSION)

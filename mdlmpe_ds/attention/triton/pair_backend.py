@@ -12,10 +12,11 @@ B = E * scale + key bias, and its gradient dB is the gradient of the logits:
 - ``pair_bias_bwd_q_kernel`` / ``pair_bias_bwd_k_kernel`` fold dE = dB * scale into the pair
   components of dq, dk and, through dE/d delta summed over the heads in registers, into the
   phase MLP's gradients. Each kernel's loop over the other side's tiles is cut into splits
-  (``launch.pair_backward_splits``; grids (L / tile_m, key splits, B) and (L / tile_n, row
-  splits, B)) so that batch 1 fills the GPU: each split writes fp32 partials of dq, dk pairs and
-  each query-side program its own MLP-gradient slot, summed here in torch in a fixed order; no
-  atomics between programs (a deterministic backward).
+  (``launch.pair_backward_splits``; grids (L / tile_m, key splits, B) and (L / key_tile_n, row
+  splits, B); each kernel has its own tile, ``launch.pair_kernel_settings``) so that batch 1 fills
+  the GPU: each split writes fp32 partials of dq, dk pairs and each query-side program its own
+  MLP-gradient slot, summed here in torch in a fixed order; no atomics between programs (a
+  deterministic backward).
 
 Memory: B is kept by SDPA for its backward and dB lives during it: H_q L^2 elements each, in the
 attention's dtype, per sequence and layer. Layer checkpointing therefore recomputes this backend
@@ -45,6 +46,7 @@ from mdlmpe_ds.attention.triton.launch import (
     pair_backward_splits,
     pair_constexprs,
     pair_kernel_options,
+    pair_kernel_settings,
     pair_launch_config,
     sm_count,
 )
@@ -70,7 +72,7 @@ class _PairBias(torch.autograd.Function):
 
         batch, num_heads, length, head_dim = q.shape
         pairs = mdlmpe_pairs(head_dim // 2).to(q.device)
-        meta = pair_constexprs(
+        shapes = dict(
             num_heads=num_heads,
             num_kv=k.shape[1],
             head_dim=head_dim,
@@ -81,16 +83,22 @@ class _PairBias(torch.autograd.Function):
             interpreting=interpreting(),
             tau_max=tau_max,
         )
+
+        def launch(kernel: str) -> dict[str, object]:
+            """Kernel ``kernel``'s constexprs (its own tile) and compile options."""
+            return {**pair_constexprs(**shapes, kernel=kernel), **pair_kernel_options(config, kernel)}
+
         qpair, kpair = pair_components(q, pairs), pair_components(k, pairs)
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
-        grid = (math.ceil(length / config.tile_m), math.ceil(length / config.tile_n), batch)
+        tile = pair_kernel_settings(config, "pair_forward")
+        grid = (math.ceil(length / tile.tile_m), math.ceil(length / tile.tile_n), batch)
         dims = (length, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
         kern.pair_bias_fwd_kernel[grid](
             A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa,
-            **meta, **pair_kernel_options(config, "pair_forward"),
+            **launch("pair_forward"),
         )  # fmt: skip
         ctx.save_for_backward(qpair, kpair, A, D, w1, b1, w2, b2)
-        ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), meta, config)
+        ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), launch, config)
         return bias
 
     @staticmethod
@@ -98,7 +106,7 @@ class _PairBias(torch.autograd.Function):
         from mdlmpe_ds.attention.triton import pair_bias as kern
 
         qpair, kpair, A, D, w1, b1, w2, b2 = ctx.saved_tensors
-        q_shape, k_shape, pairs, dims, consts, meta, config = ctx.settings
+        q_shape, k_shape, pairs, dims, consts, launch, config = ctx.settings
         dbias = dbias.contiguous()
         batch, length = q_shape[0], q_shape[2]
         splits = pair_backward_splits(
@@ -117,7 +125,10 @@ class _PairBias(torch.autograd.Function):
         # side) or keys (key side) of its split's part only; the parts are summed below.
         dqpair = torch.zeros(key_splits, *qpair.shape, **f32)
         dkpair = torch.zeros(row_splits, *kpair.shape, **f32)
-        row_tiles = math.ceil(length / config.tile_m)
+        query_side, key_side = (
+            pair_kernel_settings(config, k) for k in ("pair_backward_q", "pair_backward_k")
+        )
+        row_tiles = math.ceil(length / query_side.tile_m)
         slots = row_tiles * key_splits * batch  # one per program of the query-side kernel
         dw1 = torch.empty(slots, *w1.shape, **f32)
         db1 = torch.empty(slots, *b1.shape, **f32)
@@ -126,11 +137,11 @@ class _PairBias(torch.autograd.Function):
         mlp = (A, D, w1, b1, w2, b2)
         kern.pair_bias_bwd_q_kernel[(row_tiles, key_splits, batch)](
             *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles,
-            **meta, **pair_kernel_options(config, "pair_backward_q"),
+            **launch("pair_backward_q"),
         )  # fmt: skip
-        kern.pair_bias_bwd_k_kernel[(math.ceil(length / config.tile_n), row_splits, batch)](
+        kern.pair_bias_bwd_k_kernel[(math.ceil(length / key_side.tile_n), row_splits, batch)](
             *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each,
-            **meta, **pair_kernel_options(config, "pair_backward_k"),
+            **launch("pair_backward_k"),
         )  # fmt: skip
         # torch's reductions over a dimension add in a fixed order on every device: deterministic.
         dq = _scatter_pairs(dqpair.sum(0), pairs, q_shape)

@@ -319,7 +319,7 @@ def pair_bias_bwd_k_kernel(
         rows = start + tl.arange(0, BM)
         row_ok = rows < L
         a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
-        # The same operand order as the forward: bit-identical alpha, beta.
+        # The same operand order as the forward (bit-identical alpha, beta when the tiles match).
         _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
         for c in tl.static_range(NC):
             _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)

@@ -29,7 +29,7 @@ from mdlmpe_ds.pe.phase import mdlmpe_pairs
 # Launch settings (tile, heads per program, pair chunk, warps, stages, registers) come from
 # triton.launch.launch_config(d_h, dtype, GPU capability) unless given explicitly.
 # Largest tile edge accepted on a GPU: the [G, BM, BN] score tiles and [G, tile, d_h] accumulators
-# live in registers (64 fits sm_90's with G = 2, see triton.launch).
+# live in registers (64 fits sm_90's with G <= 2, see triton.launch).
 MAX_GPU_TILE = 64
 #: Default bound on the per-launch pair buffers (alpha, beta, ddelta: [chunk, |M|, L, L] fp32 each;
 #: ``AttentionImpl.pair_buffer_gib``): whole sequences while they fit, else row blocks of one.
