@@ -107,29 +107,41 @@ def time_fwd_bwd(step: Callable[[], None], warmup: int, iters: int) -> tuple[flo
     return start.elapsed_time(end) / iters, peak
 
 
+def layer_inputs(
+    batch: int, heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, ...]:
+    """One attention layer's inputs, the same numbers on every call: q, k, v (leaves in ``dtype``),
+    A, D [B, L, d_h / 2] fp32, a trained-looking (non-zero) phase MLP, and the output gradient.
+    Shared by this benchmark and ``sweep_launch_gpu`` (which compares settings on them)."""
+    torch.manual_seed(0)  # the phase MLP's own initialisation
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_pairs = head_dim // 2
+
+    def leaf(h: int) -> torch.Tensor:
+        x = torch.randn(batch, h, length, head_dim, device=device, generator=gen)
+        return x.to(dtype).requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    D = torch.rand(batch, length, num_pairs, device=device, generator=gen) + 0.5
+    A = torch.rand(batch, length, num_pairs, device=device, generator=gen) * D
+    mlp = PhaseMLP(num_pairs, max(16, num_pairs // 2), device=device)
+    with torch.no_grad():
+        mlp.fc2.weight.normal_(0.0, 0.1, generator=gen)
+    grad = torch.randn(q.shape, device=device, generator=gen).to(dtype)
+    return q, k, v, A, D, mlp, grad
+
+
 def attention_methods(args: argparse.Namespace, length: int) -> dict[str, Callable[[], None]]:
     """One closure per method doing fwd + bwd on the same bf16 inputs (leaf grads reset each call)."""
     from mdlmpe_ds.attention.triton.backend import triton_attention
     from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
 
     dev, dtype = "cuda", getattr(torch, args.dtype)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    num_pairs = args.head_dim // 2
-
-    def leaf(heads: int) -> torch.Tensor:
-        x = torch.randn(args.batch, heads, length, args.head_dim, device=dev, generator=gen)
-        return x.to(dtype).requires_grad_()
-
-    q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
-    D = torch.rand(args.batch, length, num_pairs, device=dev, generator=gen) + 0.5
-    A = torch.rand(args.batch, length, num_pairs, device=dev, generator=gen) * D
-    mlp = PhaseMLP(num_pairs, max(16, num_pairs // 2), device=dev)
-    with torch.no_grad():  # a trained-looking (non-zero) phase MLP
-        mlp.fc2.weight.normal_(0.0, 0.1, generator=gen)
+    shape = (args.batch, args.heads, args.kv_heads, args.head_dim, length)
+    q, k, v, A, D, mlp, grad = layer_inputs(*shape, dtype, dev)
     active = max(1, round(args.active_fraction * args.kv_heads))
     active_kv = torch.zeros(args.kv_heads, dtype=torch.bool, device=dev)
     active_kv[:active] = True
-    grad = torch.randn(q.shape, device=dev, generator=gen).to(dtype)
     leaves = (q, k, v, *mlp.parameters())
     common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active_kv)
 

@@ -3,7 +3,7 @@ candidate setting, measured, so the launchers' defaults are chosen from measurem
 from the cost model alone.
 
 For each candidate it runs one LLaDA-8B layer's MDLMPE attention (batch 1, 32 query = KV heads,
-d_h 128, bf16, all heads with MDLMPE; ``bench_attention_gpu``'s inputs) fwd + bwd and times every
+d_h 128, bf16, all heads with MDLMPE; ``bench_attention_gpu.layer_inputs``) fwd + bwd and times every
 kernel with the torch profiler (``bench_attention_gpu.kernel_times``): the pair kernels of
 ``triton-pair`` under ``triton.launch.PairLaunchConfig`` candidates, the fused kernels of
 ``triton`` under ``LaunchConfig`` overrides. A candidate that does not compile or launch (shared
@@ -103,26 +103,13 @@ def layer_step(
 ) -> Callable[[], None]:
     """fwd + bwd of one LLaDA-8B layer's MDLMPE attention under ``settings`` (leaf grads reset);
     ``device`` / ``heads`` other than a GPU's 32 are for checking this script in the interpreter."""
+    from bench_attention_gpu import layer_inputs
+
     from mdlmpe_ds.attention.triton.backend import triton_attention
     from mdlmpe_ds.attention.triton.launch import PairLaunchConfig
     from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
-    from mdlmpe_ds.pe.phase import PhaseMLP
 
-    dev, head_dim = device, 128
-    torch.manual_seed(0)  # the phase MLP's initialisation: the same numbers for every candidate
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def leaf() -> torch.Tensor:
-        x = torch.randn(1, heads, length, head_dim, device=dev, generator=gen)
-        return x.to(torch.bfloat16).requires_grad_()
-
-    q, k, v = leaf(), leaf(), leaf()
-    D = torch.rand(1, length, head_dim // 2, device=dev, generator=gen) + 0.5
-    A = torch.rand(1, length, head_dim // 2, device=dev, generator=gen) * D
-    mlp = PhaseMLP(head_dim // 2, head_dim // 4, device=dev)
-    with torch.no_grad():  # a trained-looking (non-zero) phase MLP, as in bench_attention_gpu
-        mlp.fc2.weight.normal_(0.0, 0.1, generator=gen)
-    grad = torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
+    q, k, v, A, D, mlp, grad = layer_inputs(1, heads, heads, 128, length, torch.bfloat16, device)
     leaves = (q, k, v, *mlp.parameters())
     common = dict(tau_max=0.25, clip_kappa=1e-4)
     if backend == "triton-pair":
@@ -217,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 "layer_ms": start.elapsed_time(end) / args.iters,
                 "kernels_ms": kernels,
             }
-            row["max_rel_err"] = agreement(step.snapshot(), references.get(backend, {}))
-            references.setdefault(backend, step.snapshot())
+            numbers = step.snapshot()
+            row["max_rel_err"] = agreement(numbers, references.get(backend, {}))
+            references.setdefault(backend, numbers)
         except Exception as exc:
             row = {"settings": settings, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             traceback.print_exc(limit=1)

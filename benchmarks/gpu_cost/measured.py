@@ -212,6 +212,12 @@ def calibration_table(record: dict) -> str:
     )
 
 
+def previous(record: dict) -> dict:
+    """The record's "previous" benchmark (the settings before the sweep) in the shape of a record,
+    for the functions that read one (``measured_step_ratio``)."""
+    return {"benchmark": {"lengths": record["previous"]["lengths"]}}
+
+
 def before_after_table(record: dict) -> str:
     """docs/gpu.md's table: one layer's MDLMPE attention (fwd + bwd, ms) and the assembled step
     ratio at the launch settings before the sweep (``record["previous"]``) and now."""
@@ -220,7 +226,7 @@ def before_after_table(record: dict) -> str:
         "| backend | quantity | " + " | ".join(f"L = {n}" for n in ns) + " |",
         "|---" * (len(ns) + 2) + "|",
     ]
-    then = {"benchmark": {"lengths": record["previous"]["lengths"]}}
+    then = previous(record)
     for backend, (_, method) in BACKENDS.items():
         for label, rec in (("before", then), ("now", record)):
             ms = " | ".join(f"{rec['benchmark']['lengths'][str(n)]['ms'][method]:.1f}" for n in ns)
@@ -238,24 +244,24 @@ SWEEP_KERNELS = {
 }
 
 
+def sweep_runs(sweep: dict, backend: str) -> dict[str, dict]:
+    """{setting: run} of ``backend`` in the sweep record, every setting that ran (the confirming
+    run of a setting replaces the sweep's)."""
+    runs = {}
+    for part in ("sweep", "confirm"):
+        for key, run in sweep[part]["runs"].items():
+            if key.startswith(backend + "/") and "kernels_ms" in run:
+                runs[key.split("/", 1)[1]] = run
+    return runs
+
+
 def sweep_table(sweep: dict, backend: str) -> str:
     """docs/gpu.md's table of the launch-settings sweep for ``backend``: every setting that ran,
     fastest layer first, ms per kernel and per layer (fwd + bwd at the sweep's length)."""
     kernels = SWEEP_KERNELS[backend]
-    rows = [
-        (key.split("/", 1)[1], run)
-        for part in ("confirm", "sweep")
-        for key, run in sweep[part]["runs"].items()
-        if key.startswith(backend + "/") and "layer_ms" in run
-    ]
-    seen, unique = set(), []
-    for name, run in rows:  # the confirm run of a setting replaces the sweep's
-        if name not in seen:
-            seen.add(name)
-            unique.append((name, run))
-    unique.sort(key=lambda item: item[1]["layer_ms"])
+    ordered = sorted(sweep_runs(sweep, backend).items(), key=lambda item: item[1]["layer_ms"])
     lines = ["| setting | layer ms | " + " | ".join(kernels) + " |", "|---" * (len(kernels) + 2) + "|"]
-    for name, run in unique:
+    for name, run in ordered:
         cells = " | ".join(f"{run['kernels_ms'][k]:.2f}" for k in kernels)
         lines.append(f"| {name} | {run['layer_ms']:.1f} | {cells} |")
     return "\n".join(lines)
@@ -334,7 +340,8 @@ def sweep_model_rows(sweep: dict, length: int = 2048) -> list[dict]:
     base, compiled = recorded.load(), recorded.load(recorded.SWEEP_RECORD)
     sc = Scenario("central")
     rows = []
-    for name, run in sorted(_fused_runs(sweep).items(), key=lambda item: item[1]["kernels_ms"]["backward"]):
+    runs = sweep_runs(sweep, "triton")
+    for name, run in sorted(runs.items(), key=lambda item: item[1]["kernels_ms"]["backward"]):
         settings = FUSED_CANDIDATES[name]
         shape = (settings["block_size"], settings["heads_per_program"])
         rec = {"default": base["default"], name: compiled[name]}
@@ -347,15 +354,6 @@ def sweep_model_rows(sweep: dict, length: int = 2048) -> list[dict]:
             )
         )
     return rows
-
-
-def _fused_runs(sweep: dict) -> dict[str, dict]:
-    runs = {}
-    for part in ("sweep", "confirm"):  # the confirm run of a setting replaces the sweep's
-        for key, run in sweep[part]["runs"].items():
-            if key.startswith("triton/") and "kernels_ms" in run:
-                runs[key.split("/", 1)[1]] = run
-    return runs
 
 
 def sweep_model_table(sweep: dict) -> str:

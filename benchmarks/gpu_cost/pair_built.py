@@ -83,13 +83,12 @@ def launch_splits(length: int, sms: int) -> dict[str, int]:
     return {"pair_forward": 1, "pair_backward_q": splits["q"][0], "pair_backward_k": splits["k"][0]}
 
 
-def built_launch(
-    kernel: str, length: int, sc: Scenario, rec: dict, res: Resources, splits: int = 1
-) -> Launch:
-    """One built pair kernel at ``length`` (batch 1, LLaDA-8B) as a ``Launch``, at its own tile;
-    ``splits`` divides the backward kernels' serial loop over that many programs (a split-K grid)."""
+def built_launch(kernel: str, length: int, sc: Scenario, rec: dict, splits: int = 1) -> Launch:
+    """One built pair kernel at ``length`` (batch 1, LLaDA-8B) as a ``Launch``, at its own tile with
+    its ``BUILT`` resources; ``splits`` divides the backward kernels' serial loop over that many
+    programs (a split-K grid)."""
     heads, m = LLADA["heads"], NUM_MDLMPE
-    own = SETTINGS[kernel]
+    own, res = SETTINGS[kernel], BUILT[kernel]
     tile_m, tile_n = own.tile_m, own.tile_n
     chunks = math.ceil(m / CHUNK)
     elems = tile_m * tile_n * CHUNK  # (head, i, j, pair) per iteration
@@ -129,7 +128,7 @@ def built_layer(length: int, sc: Scenario, rec: dict) -> LayerEstimate:
     the bias attention, each kernel at its own tile with its ``BUILT`` resources and the launch
     rule's splits."""
     splits = launch_splits(length, int(sc["sms"]))
-    timings = [launch_time(built_launch(k, length, sc, rec, BUILT[k], splits[k]), sc) for k in KERNELS]
+    timings = [launch_time(built_launch(k, length, sc, rec, splits[k]), sc) for k in KERNELS]
     timings[1:1] = bias_attention(length, sc, "sdpa")
     glue = sc["glue_ms_2k"] * length / 2048
     return LayerEstimate("pair_bias built", length, timings, glue, sorted({r.source for r in BUILT.values()}))

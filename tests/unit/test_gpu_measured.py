@@ -90,10 +90,7 @@ def test_kernel_rows_model_the_kernels_as_built(record):
     sc, rec = Scenario("central"), recorded.load()
     splits = pair_built.launch_splits(2048, int(sc["sms"]))
     assert splits == {"pair_forward": 1, "pair_backward_q": 4, "pair_backward_k": 3}  # launch docstring
-    launches = {
-        k: pair_built.built_launch(k, 2048, sc, rec, pair_built.BUILT[k], splits[k])
-        for k in pair_built.KERNELS
-    }
+    launches = {k: pair_built.built_launch(k, 2048, sc, rec, splits[k]) for k in pair_built.KERNELS}
     assert launches["pair_backward_k"].programs == (2048 // 8) * 3
     assert launches["pair_backward_q"].programs == (2048 // 16) * 4
     assert launches["pair_forward"].programs == (2048 // 16) * (2048 // 8)
@@ -121,15 +118,6 @@ def test_estimate_command_prints_the_measured_tables(record, capsys):
         assert measured.kernel_table(record, n) in out
 
 
-def _sweep_runs(sweep: dict, backend: str) -> dict[str, dict]:
-    return {
-        key.split("/", 1)[1]: run
-        for part in ("sweep", "confirm")
-        for key, run in sweep[part]["runs"].items()
-        if key.startswith(backend + "/") and "layer_ms" in run
-    }
-
-
 def test_the_launchers_defaults_are_the_sweeps_fastest():
     """The settings the launchers pick on sm_90 are the ones the H100 sweep measured fastest, each
     kernel its own: the fused backward (the layer's largest kernel) at its minimum and the layer
@@ -147,7 +135,7 @@ def test_the_launchers_defaults_are_the_sweeps_fastest():
     )
 
     sweep = measured.load(measured.SWEEP)
-    fused = _sweep_runs(sweep, "triton")
+    fused = measured.sweep_runs(sweep, "triton")
     config = launch_config(128, torch.bfloat16, 90)
     default = next(
         n
@@ -165,7 +153,7 @@ def test_the_launchers_defaults_are_the_sweeps_fastest():
     assert fused[default]["kernels_ms"]["backward"] <= 1.01 * min(backward.values())
     assert fused[default]["layer_ms"] <= 1.02 * min(r["layer_ms"] for r in fused.values())
 
-    pair = _sweep_runs(sweep, "triton-pair")
+    pair = measured.sweep_runs(sweep, "triton-pair")
     uniform = {n: r for n, r in pair.items() if PAIR_CANDIDATES[n]}
     settings = pair_launch_config(128, torch.bfloat16, 90)
     for kernel, slack in (("pair_forward", 1.05), ("pair_backward_q", 1.05), ("pair_backward_k", 1.0)):
@@ -199,9 +187,7 @@ def test_the_readme_quotes_the_sweep_and_the_counters(record):
     then, now = record["previous"]["lengths"]["2048"]["ms"], record["benchmark"]["lengths"]["2048"]["ms"]
     for method in ("mdlmpe_triton", "mdlmpe_triton_pair"):
         assert f"from {then[method]:.1f} to {now[method]:.1f} ms" in readme, method
-    before = measured.measured_step_ratio(
-        {"benchmark": {"lengths": record["previous"]["lengths"]}}, "triton", 2048
-    )
+    before = measured.measured_step_ratio(measured.previous(record), "triton", 2048)
     assert f"from {before:.2f}× to {measured.measured_step_ratio(record, 'triton', 2048):.2f}×" in readme
     current = measured.load(measured.COUNTERS)["current"].values()
     warps = [k["warps_per_scheduler"] for k in current]
@@ -225,7 +211,13 @@ def test_the_model_is_held_against_every_swept_setting():
     warps = {n: compiled[n]["backward"][0].warps for n in compiled}
     assert warps == {n: s["num_warps"] for n, s in FUSED_CANDIDATES.items()}
     rows = measured.sweep_model_rows(sweep)
-    assert {r["setting"] for r in rows} == set(measured._fused_runs(sweep))
+    ran = {
+        key.split("/", 1)[1]
+        for part in ("sweep", "confirm")
+        for key, run in sweep[part]["runs"].items()
+        if key.startswith("triton/") and "error" not in run
+    }
+    assert {r["setting"] for r in rows} == ran and len(rows) == len(ran) == 15
     rho = measured.spearman([r["measured"]["backward"] for r in rows], [r["model"]["backward"] for r in rows])
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"rank correlation of {rho:.2f} with the measurements" in readme
