@@ -376,3 +376,61 @@ def sweep_model_table(sweep: dict) -> str:
     }
     lines.append(f"| rank correlation (Spearman) | | {rho['backward']:.2f} | | {rho['forward']:.2f} |")
     return "\n".join(lines)
+
+
+def rework_rows(record: dict, length: int = 2048) -> list[dict]:
+    """Per triton-pair kernel: the build the H100 timed against today's, by their sm_90 machine code
+    (``pair_built``: one pass of the per-head loop, per warp; warp-instructions per program pass),
+    the measured ms, and the ESTIMATE of today's ms if a kernel's time scaled with the
+    instructions it issues (its issue efficiency unchanged; fewer barriers would also shorten
+    the latency the counters show it waiting on, which this does not count)."""
+    kernels = record["benchmark"]["lengths"][str(length)]["kernels_ms"]["pair_bias"]
+    rows = []
+    for kernel, loops in pair_built.TODAY_LOOPS.items():
+        then = pair_built.MEASURED_BUILD_LOOPS[kernel][0]
+        scale = pair_built.TODAY_EXECUTED[kernel] / pair_built.MEASURED_BUILD_EXECUTED[kernel]
+        rows.append(
+            dict(
+                kernel=kernel,
+                before=then,
+                now=loops[0],
+                executed=(pair_built.MEASURED_BUILD_EXECUTED[kernel], pair_built.TODAY_EXECUTED[kernel]),
+                ms=kernels[kernel],
+                estimate_ms=kernels[kernel] * scale,
+            )
+        )
+    return rows
+
+
+def rework_step_ratio(record: dict, length: int = 2048) -> tuple[float, float]:
+    """triton-pair's assembled step ratio as measured, and its ESTIMATE with each pair kernel's
+    time scaled as in ``rework_rows`` (the recomputed forward too; SDPA unchanged)."""
+    row = record["benchmark"]["lengths"][str(length)]
+    kernels = {d: dict(k) for d, k in row["kernels_ms"].items()}
+    ms = dict(row["ms"])
+    for r in rework_rows(record, length):
+        ms["mdlmpe_triton_pair"] += r["estimate_ms"] - r["ms"]
+        kernels["pair_bias"][r["kernel"]] = r["estimate_ms"]
+    return measured_step_ratio(record, "triton-pair", length), assembled_step_ratio(
+        ms, kernels, "triton-pair"
+    )
+
+
+def rework_table(record: dict, length: int = 2048) -> str:
+    """docs/gpu.md's table of the head-loop rework (``rework_rows``) at ``length``."""
+    head = (
+        f"| kernel (L = {length}) | per-head loop, per warp: instructions / barriers / shared / shuffles, "
+        "timed build → today | warp-instructions per pass | measured ms | ESTIMATE ms, issue-scaled |"
+    )
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rework_rows(record, length):
+        b, n = r["before"], r["now"]
+        loop = (
+            f"{b['instructions']} / {b['barriers']} / {b['shared']} / {b['shuffles']} → "
+            f"{n['instructions']} / {n['barriers']} / {n['shared']} / {n['shuffles']}"
+        )
+        executed = f"{r['executed'][0]:,} → {r['executed'][1]:,}"
+        lines.append(f"| {r['kernel']} | {loop} | {executed} | {r['ms']:.2f} | {r['estimate_ms']:.2f} |")
+    got, estimate = rework_step_ratio(record, length)
+    lines.append(f"| step ratio (assembled) | | | {got:.2f}× | {estimate:.2f}× |")
+    return "\n".join(lines)

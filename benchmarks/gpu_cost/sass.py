@@ -78,6 +78,44 @@ def main_loop(instrs: list[tuple[int, str, str]], trips: int = 1) -> list[tuple[
     return body
 
 
+def innermost_loops(instrs: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """The bodies of the loops that contain no other loop, in address order: the per-head loops of
+    the pair-bias kernels (one per pair chunk, the chunk loop being unrolled)."""
+    spans = _backward_branches(instrs)
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    return [[i for i in instrs if a <= i[0] <= b] for a, b in sorted(inner)]
+
+
+def executed_per_pass(instrs: list[tuple[int, str, str]], trips: int) -> int:
+    """Warp-instructions one warp issues per pass of the widest loop (one looped tile of a backward
+    pair kernel; the whole program if the kernel has no such loop, as the pair forward), with every
+    innermost loop inside it (the per-head loops) run ``trips`` times."""
+    spans = _backward_branches(instrs)
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    outer = [s for s in spans if s not in inner]
+    if outer:
+        start, end = max(outer, key=lambda s: s[1] - s[0])
+        instrs = [i for i in instrs if start <= i[0] <= end]
+    looped = sum(1 for i in instrs if any(a <= i[0] <= b for a, b in inner))
+    return len(instrs) - looped + trips * looped
+
+
+def body_summary(body: list[tuple[int, str, str]]) -> dict[str, int]:
+    """One loop body's warp-instructions: all of them, FP32, block barriers, shared-memory loads and
+    stores (layout conversions through shared memory), warp shuffles (cross-lane sums), global
+    loads and local-memory (spill) accesses."""
+    ops = [op for _, op, _ in body]
+    return {
+        "instructions": len(ops),
+        "fp32": sum(classify(op) == "fp32" for op in ops),
+        "barriers": sum(op.startswith("BAR.SYNC") or op == "BAR" for op in ops),
+        "shared": sum(op.startswith(("LDS", "STS")) for op in ops),
+        "shuffles": sum(op.startswith("SHFL") for op in ops),
+        "global_loads": sum(op.startswith("LDG") for op in ops),
+        "spill": sum(classify(op) == "spill" for op in ops),
+    }
+
+
 def classify(op: str) -> str:
     base = op.split(".")[0]
     if base in ("LDL", "STL"):

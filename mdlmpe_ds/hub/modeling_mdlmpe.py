@@ -134,13 +134,23 @@ def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
+def _masked_key_value(dtype: torch.dtype) -> float:
+    """The additive bias of a padding key: finfo(dtype).min / 16, the rule training uses. Finite in
+    ``dtype`` (finfo(float32).min cast to bf16 or fp16 is -inf, and a sequence with no valid key
+    would give NaN), with room for the log2(e) and scale factors SDPA's fused GPU kernels apply
+    before subtracting the row max. For a row with a valid key it changes nothing (exp underflows
+    to 0 either way); an all-padding row gets the uniform average of V, as in training."""
+    return torch.finfo(dtype).min / 16
+
+
 def _key_bias(key_valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """[B, L] bool -> additive [B, 1, 1, L]: 0 where valid, finfo(float32).min where not."""
+    """[B, L] bool -> additive [B, 1, 1, L] in ``dtype``: 0 where valid, ``_masked_key_value``
+    where not."""
     if key_valid is None:
         return None
-    bias = torch.zeros(key_valid.shape, dtype=torch.float32, device=key_valid.device)
-    bias.masked_fill_(~key_valid, torch.finfo(torch.float32).min)
-    return bias[:, None, None, :].to(dtype)
+    bias = torch.zeros(key_valid.shape, dtype=dtype, device=key_valid.device)
+    bias.masked_fill_(~key_valid, _masked_key_value(dtype))
+    return bias[:, None, None, :]
 
 
 def _alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -441,7 +451,8 @@ class Block(nn.Module):
             out = _mdlmpe_attention(q, k, v, ctx["A"], ctx["D"], phase, self.maths, ctx["key_valid"])
         else:
             if self.encoding == "alibi":
-                mask = ctx["alibi"].to(q.dtype)
+                # padding keys at the dtype's own masked value (finite: fp32's would be -inf in bf16)
+                mask = ctx["alibi"].clamp(min=_masked_key_value(q.dtype)).to(q.dtype)
             else:
                 mask = _key_bias(ctx["key_valid"], q.dtype)
             out = F.scaled_dot_product_attention(
@@ -553,8 +564,8 @@ class MDLMPEForMaskedDiffusion(MDLMPEPreTrainedModel):
             slopes = _alibi_slopes(s["num_heads"]).to(input_ids.device)
             bias = (-slopes[:, None, None] * (pos[None, :] - pos[:, None]).abs()).unsqueeze(0)
             if key_valid is not None:
-                bias = bias.masked_fill(~key_valid[:, None, None, :], torch.finfo(torch.float32).min)
-            ctx["alibi"] = bias  # [B|1, H, L, L]
+                bias = bias.masked_fill(~key_valid[:, None, None, :], _masked_key_value(torch.float32))
+            ctx["alibi"] = bias  # [B|1, H, L, L] fp32
         for block in self.get_submodule(self.paths["blocks"]):
             x = block(x, ctx)
         x = self.get_submodule(self.paths["norm"])(x)

@@ -38,9 +38,10 @@ def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: in
     if impl.backend == "triton":
         return stats  # and q, k, v, out (already counted)
     if impl.backend == "triton-pair":  # SDPA's log-sum-exp, K, V repeated (GQA), the pair copies of q, k
-        pairs = len(range(1, cfg.head_dim // 2, 2))
+        # (fp32, the pairs padded to the kernels' chunks of 16: pair_backend.pair_components)
+        pairs = -(-len(range(1, cfg.head_dim // 2, 2)) // 16) * 16
         repeated = 2 * p * hq if cfg.num_kv_heads != cfg.num_heads else 0
-        return FP32 * cfg.num_heads + repeated + 2 * pairs * p * (cfg.num_heads + cfg.num_kv_heads)
+        return FP32 * cfg.num_heads + repeated + 2 * pairs * FP32 * (cfg.num_heads + cfg.num_kv_heads)
     # blocked: fp32 copies of q, k, v (the pair path runs in fp32; the same tensors as q, k, v when
     # they are fp32 already), each block's fp32 output and softmax statistics, the key dims of the
     # MDLMPE pairs (k1, k2) and A, D transposed, made contiguous: what every block saves

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_attention_shapes import OUTPUTS, Case, _inputs, poisoned_allocations
+from test_attention_shapes import OUTPUTS, Case, _inputs, attention_runner, poisoned_allocations
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,21 +116,12 @@ def gpu_errors(case: Case, backend: str) -> dict[str, float]:
     from mdlmpe_ds.attention.triton.backend import triton_attention
     from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
 
-    q, k, v, A, D, key_valid, active, mlp, grad_out = _on_cuda(case)
-    common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active, key_valid=key_valid)
-    leaves = (q, k, v, *mlp.parameters())
-
-    def run(fn, **extra) -> list[torch.Tensor]:
-        for t in leaves:
-            t.grad = None
-        out = fn(q, k, v, A, D, mlp.params(), **common, **extra)
-        (out.float() * grad_out).sum().backward()
-        return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in leaves]
-
+    inputs = _on_cuda(case)
+    run = attention_runner(inputs)
     with poisoned_allocations():
         want = run(reference_attention)
         if backend == "triton":
-            got = run(triton_attention, pair_buffer_bytes=_budget_bytes(case, q))
+            got = run(triton_attention, pair_buffer_bytes=_budget_bytes(case, inputs[0]))
         else:
             got = run(pair_bias_attention)
     errors = {}

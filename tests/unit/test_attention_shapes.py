@@ -228,12 +228,12 @@ def _budget_bytes(case: Case, kwargs: dict) -> int | None:
     return 3 * 4 * len(mdlmpe_pairs(case.head_dim // 2)) * padded * case.budget_rows
 
 
-def compare(case: Case, backend: str) -> dict[str, float]:
-    """Max abs error of ``backend`` ('triton' or 'blocked') against the reference, per output and
-    gradient, under poisoned allocations; plus the reference's largest value ('scale')."""
-    from mdlmpe_ds.attention.reference import reference_attention
-
-    q, k, v, A, D, key_valid, active, mlp, grad_out = _inputs(case)
+def attention_runner(inputs: tuple):
+    """``run(fn, **extra)``: one call of the attention ``fn`` on ``inputs`` (``_inputs``' tuple),
+    backward of sum(out * grad_out), and [the output, the gradients of q, k, v and the phase MLP's
+    four tensors] (``OUTPUTS``' order; zeros for a tensor without a gradient). Gradients are
+    cleared first, so the reference and a backend can run one after the other on the same leaves."""
+    q, k, v, A, D, key_valid, active, mlp, grad_out = inputs
     common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active, key_valid=key_valid)
     leaves = (q, k, v, *mlp.parameters())
 
@@ -244,6 +244,15 @@ def compare(case: Case, backend: str) -> dict[str, float]:
         (out.float() * grad_out).sum().backward()
         return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in leaves]
 
+    return run
+
+
+def compare(case: Case, backend: str) -> dict[str, float]:
+    """Max abs error of ``backend`` ('triton' or 'blocked') against the reference, per output and
+    gradient, under poisoned allocations; plus the reference's largest value ('scale')."""
+    from mdlmpe_ds.attention.reference import reference_attention
+
+    run = attention_runner(_inputs(case))
     with poisoned_allocations():
         want = run(reference_attention)
         if backend == "triton":

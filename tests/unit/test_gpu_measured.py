@@ -37,6 +37,7 @@ def test_docs_tables_are_generated_from_the_record(record):
         measured.sweep_table(sweep, "triton-pair"),
         measured.counter_table(counters),
         measured.sweep_model_table(sweep),
+        measured.rework_table(record),
     ):
         assert table in gpu, f"docs/gpu.md lacks this generated table:\n{table}"
 
@@ -96,7 +97,7 @@ def test_kernel_rows_model_the_kernels_as_built(record):
     assert launches["pair_forward"].programs == (2048 // 16) * (2048 // 8)
     assert launches["pair_backward_k"].latency == "hbm_latency" and launches["pair_forward"].runs == 1
     assert {k: (r.warps, r.registers) for k, r in pair_built.BUILT.items()} == {
-        "pair_forward": (8, 96),
+        "pair_forward": (8, 106),
         "pair_backward_q": (8, 255),
         "pair_backward_k": (8, 128),
     }
@@ -222,3 +223,30 @@ def test_the_model_is_held_against_every_swept_setting():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"rank correlation of {rho:.2f} with the measurements" in readme
     assert measured.spearman([1, 2, 3], [1, 2, 3]) == 1.0 and measured.spearman([1, 2, 3], [3, 2, 1]) == -1.0
+
+
+def test_the_rework_estimate_and_its_quotes(record, monkeypatch):
+    """The head-loop rework's ESTIMATE (``measured.rework_step_ratio``) scales only the pair
+    kernels: with today's instruction counts set to the timed build's it returns the measured
+    ratio, and it falls with them. The README quotes its numbers from the records."""
+    from gpu_cost import pair_built
+
+    got, estimate = measured.rework_step_ratio(record, 2048)
+    assert got == measured.measured_step_ratio(record, "triton-pair", 2048)
+    assert estimate < got
+    monkeypatch.setattr(pair_built, "TODAY_EXECUTED", dict(pair_built.MEASURED_BUILD_EXECUTED))
+    assert measured.rework_step_ratio(record, 2048)[1] == pytest.approx(got, rel=1e-12)
+    monkeypatch.undo()
+    readme = " ".join((REPO / "README.md").read_text().split())
+    before, now = (
+        pair_built.MEASURED_BUILD_LOOPS["pair_forward"][0],
+        pair_built.TODAY_LOOPS["pair_forward"][0],
+    )
+    assert f"(forward {before['instructions']} → {now['instructions']} per warp)" in readme
+    assert f"block barriers per head {before['barriers']} → {now['barriers']} in the forward" in readme
+    assert f"would move from {got:.2f}× to {estimate:.2f}×, an ESTIMATE" in readme
+    cuts = [
+        1 - pair_built.TODAY_EXECUTED[k] / pair_built.MEASURED_BUILD_EXECUTED[k] for k in pair_built.KERNELS
+    ]
+    method = " ".join((REPO / "docs" / "method.md").read_text().split())
+    assert f"{100 * min(cuts):.0f}–{100 * max(cuts):.0f}% fewer instructions per program" in method

@@ -84,6 +84,28 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, qwen_tokenizer_d
             torch.testing.assert_close(raw[:, :-1], ours(ids)[:, 1:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("encoding", ["rope", "alibi", "mdlmpe"])
+def test_bf16_export_gives_an_all_padding_sequence_what_training_gives(
+    tmp_path, qwen_tokenizer_dir, encoding
+):
+    """A bf16 export, a batch whose first sequence is all padding: every logit is finite and close
+    to our loader's in bf16 (whose padding keys get ``attention.common.masked_key_bias``). The
+    export's padding bias used to be finfo(float32).min cast to bf16, which is -inf: that row's
+    softmax was NaN."""
+    model = _trained_looking("llada", encoding)
+    save_pretrained(model, tmp_path, model.config)
+    finish_export(tmp_path, "llada", qwen_tokenizer_dir)
+    theirs = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    ours = load_pretrained(tmp_path).to(torch.bfloat16).eval()
+    ids, valid = _batch(model.config)
+    valid[0] = False
+    with torch.no_grad():
+        got = theirs(ids, attention_mask=valid.long()).logits
+        want = ours(ids, valid)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
 def test_dream_export_under_the_official_generation_convention(tmp_path, qwen_tokenizer_dir):
     """Official Dream code shifts the model's logits itself (generation_utils.py ``_sample``:
     ``cat([logits[:, :1], logits[:, :-1]])``, docs/models.md §2.3). On our Dream export that shift

@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from test_attention_shapes import OUTPUTS, Case, _check, _inputs, poisoned_allocations
+from test_attention_shapes import OUTPUTS, Case, _check, _inputs, attention_runner, poisoned_allocations
 
 #: launch: 'tile=N' (N x N tiles, pairs in chunks of 2; the backward's loop splits chosen per call,
 #: ``launch.pair_backward_splits``: 2 to 3 here), 'tile=N,keys=S,rows=R' (the same with S key
@@ -72,17 +72,7 @@ def compare_pair(case: Case) -> dict[str, float]:
     from mdlmpe_ds.attention.reference import reference_attention
     from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
 
-    q, k, v, A, D, key_valid, active, mlp, grad_out = _inputs(case)
-    common = dict(tau_max=0.25, clip_kappa=1e-4, active_kv=active, key_valid=key_valid)
-    leaves = (q, k, v, *mlp.parameters())
-
-    def run(fn, **extra) -> list[torch.Tensor]:
-        for t in leaves:
-            t.grad = None
-        out = fn(q, k, v, A, D, mlp.params(), **common, **extra)
-        (out.float() * grad_out).sum().backward()
-        return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in leaves]
-
+    run = attention_runner(_inputs(case))
     with poisoned_allocations():
         want = run(reference_attention)
         got = run(pair_bias_attention, launch=_launch(case))

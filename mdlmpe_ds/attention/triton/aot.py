@@ -42,9 +42,10 @@ from mdlmpe_ds.pe.phase import mdlmpe_pairs
 
 _INTS = {"L", "LP", "R0", "RB", "KSPAN", "SYM", "HQ", "HKV", "F", "HID", "NM", "SPLIT_TILES"}
 _FLOATS = {"tau_max", "clip_kappa", "scale"}
-_DIVISIBLE_INTS = {"L", "LP", "R0", "RB", "KSPAN"}
-# Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32.
-_MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr", "qpair", "kpair", "bias", "dbias"}
+_DIVISIBLE_INTS = {"L", "LP", "R0", "RB", "KSPAN", "HQ", "HKV", "F", "HID", "NM"}
+# Pointers in the model dtype (q, k, v and the output or its gradient); every other one is fp32
+# (the pair kernels' qpair, kpair included: pair_backend.pair_components).
+_MODEL_DTYPE_POINTERS = {"q", "k", "v", "o", "do_ptr", "bias", "dbias"}
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -184,9 +185,13 @@ def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, option
     """AOT-compile the @triton.jit ``fn`` with constexprs ``meta`` and Triton ``options``
     (num_warps, num_stages, maxnreg) for sm_``capability``. Other arguments: the names in ``_INTS``
     are i32, ``_FLOATS`` fp32, pointers in ``_MODEL_DTYPE_POINTERS`` in ``dtype``, every other
-    pointer fp32. Pointers are 16-byte aligned (torch allocations are) and the length L a multiple
-    of 16: Triton specializes both at launch when they hold (L = 1024, 2048, 4096 ...), and the
-    vectorised loads of the compiled code depend on it."""
+    pointer fp32. Pointers are 16-byte aligned (torch allocations are), and the integers of
+    ``_DIVISIBLE_INTS`` multiples of 16: Triton marks every integer argument divisible by 16 at
+    launch (``BaseBackend.get_int_specialization``), which at LLaDA-like dims covers the length
+    (1024, 2048, ...), the head counts (32), F (64), the MLP width (32) and |M| (32); the
+    vectorised loads and the address arithmetic of the compiled code depend on it (the pair
+    forward of 2026-11-28 compiled to 96 registers without the head counts and widths marked, 106
+    with them)."""
     import triton
     from triton.backends.compiler import GPUTarget
 

@@ -301,6 +301,14 @@ def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> Pa
     return PairLaunchConfig()
 
 
+def pair_padded_length(config: PairLaunchConfig, length: int) -> int:
+    """LP: L rounded up to a multiple of every tile edge of the three pair kernels, the rows of the
+    padded pair-component arrays (``pair_backend.pair_components``): every tile a kernel loads
+    lies inside them, so their loads need no mask."""
+    step = max(config.tile_m, config.tile_n, config.key_tile_m, config.key_tile_n)
+    return padded_length(length, step)
+
+
 def pair_constexprs(
     *,
     num_heads: int,

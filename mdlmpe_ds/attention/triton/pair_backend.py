@@ -20,9 +20,11 @@ B = E * scale + key bias, and its gradient dB is the gradient of the logits:
 
 Memory: B is kept by SDPA for its backward and dB lives during it: H_q L^2 elements each, in the
 attention's dtype, per sequence and layer. Layer checkpointing therefore recomputes this backend
-with the layer (``AttentionImpl.keeps_pair_tensors``): one layer's B and dB at a time. The
-backward adds its fp32 partials, splits x B x H x L x 2 |M| x 4 bytes per kernel, each bounded to
-1/8 of B and dB (LLaDA-8B at L = 4096, batch 1: 64 + 96 MiB against 2 GiB).
+with the layer (``AttentionImpl.keeps_pair_tensors``): one layer's B and dB at a time. The pair
+components of q and k are kept for the backward in fp32 (``pair_components``: 2 |M| / d_h of q
+and k in fp32, 32 MiB each for LLaDA-8B at L = 4096), and the backward adds its fp32 partials of
+their gradients, splits x B x H x L x 2 |M| x 4 bytes per kernel, each bounded to 1/8 of B and
+dB (LLaDA-8B at L = 4096, batch 1: 96 + 64 MiB against 2 GiB).
 
 Precision: E is accumulated in fp32 and stored, scaled and with the key-padding bias folded in,
 in the attention's dtype (bf16 in bf16 training). SDPA's fused kernels take a bias in the query's
@@ -48,18 +50,30 @@ from mdlmpe_ds.attention.triton.launch import (
     pair_kernel_options,
     pair_kernel_settings,
     pair_launch_config,
+    pair_padded_length,
     sm_count,
 )
 from mdlmpe_ds.attention.triton.plan import interpreting
 from mdlmpe_ds.pe.phase import PhaseParams, mdlmpe_pairs
 
 
-def pair_components(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, d_h] -> [B, H, L, 2 |M|] in x's dtype: dims 2m + 1 and F + 2m + 1 of MDLMPE pair
-    m side by side (a copy, exact)."""
-    num_pairs = x.shape[-1] // 2
-    both = torch.stack((x[..., pairs], x[..., pairs + num_pairs]), dim=-1)  # [B, H, L, NM, 2]
-    return both.flatten(-2).contiguous()
+def pair_components(
+    x: torch.Tensor, pairs: torch.Tensor, padded_length: int, padded_pairs: int
+) -> torch.Tensor:
+    """[B, H, L, d_h] -> [B, H, LP, 2 NMP] fp32, component-major: row l holds component 0 (dim
+    2m + 1) of the MDLMPE pairs m at 0 .. NM - 1, component 1 (dim F + 2m + 1) at NMP .. NMP +
+    NM - 1, zeros elsewhere and past L (a copy, exact: every bf16 / fp16 value is an fp32 value).
+
+    Why fp32 and padded: the kernels load these components once per head and (i, j) tile, so their
+    loads need no bf16 conversions (one integer op per value on the GPU) and no masks (whose
+    zero-fill costs a register move per value); the array is 2 NMP / d_h of x in fp32, e.g.
+    LLaDA-8B: x's size, 32 MiB per head set at L = 4096."""
+    batch, heads, length, head_dim = x.shape
+    out = x.new_zeros(batch, heads, padded_length, 2 * padded_pairs, dtype=torch.float32)
+    num_pairs = head_dim // 2
+    out[:, :, :length, : len(pairs)] = x[..., pairs]
+    out[:, :, :length, padded_pairs : padded_pairs + len(pairs)] = x[..., pairs + num_pairs]
+    return out
 
 
 class _PairBias(torch.autograd.Function):
@@ -88,11 +102,14 @@ class _PairBias(torch.autograd.Function):
             """Kernel ``kernel``'s constexprs (its own tile) and compile options."""
             return {**pair_constexprs(**shapes, kernel=kernel), **pair_kernel_options(config, kernel)}
 
-        qpair, kpair = pair_components(q, pairs), pair_components(k, pairs)
+        padded = pair_padded_length(config, length)
+        padded_pairs = launch("pair_forward")["MC"] * launch("pair_forward")["NC"]
+        qpair = pair_components(q, pairs, padded, padded_pairs)
+        kpair = pair_components(k, pairs, padded, padded_pairs)
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
         tile = pair_kernel_settings(config, "pair_forward")
         grid = (math.ceil(length / tile.tile_m), math.ceil(length / tile.tile_n), batch)
-        dims = (length, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
+        dims = (length, padded, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
         kern.pair_bias_fwd_kernel[grid](
             A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa,
             **launch("pair_forward"),
@@ -150,11 +167,12 @@ class _PairBias(torch.autograd.Function):
 
 
 def _scatter_pairs(dpair: torch.Tensor, pairs: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """[B, H, L, 2 |M|] fp32 -> the gradient [B, H, L, d_h] fp32, zero outside the MDLMPE dims."""
+    """[B, H, LP, 2 NMP] fp32 (``pair_components``' layout) -> the gradient [B, H, L, d_h] fp32,
+    zero outside the MDLMPE dims."""
     out = torch.zeros(shape, dtype=torch.float32, device=dpair.device)
-    both = dpair.unflatten(-1, (len(pairs), 2))
-    out[..., pairs] = both[..., 0]
-    out[..., pairs + shape[-1] // 2] = both[..., 1]
+    length, padded_pairs = shape[2], dpair.shape[-1] // 2
+    out[..., pairs] = dpair[:, :, :length, : len(pairs)]
+    out[..., pairs + shape[-1] // 2] = dpair[:, :, :length, padded_pairs : padded_pairs + len(pairs)]
     return out
 
 

@@ -30,19 +30,33 @@ an H100). Cutting each loop into S splits (``launch.pair_backward_splits``: >= 4
 programs where the memory bound allows; SPLIT_TILES tiles per split, the last split shorter when S
 does not divide the tiles) multiplies the programs by S and divides each one's loop by S. The
 cost: S fp32 partials of the pair gradients, S x |qpair| and S x |kpair| elements (bounded there
-to 1/8 of the bias and its gradient each; at L = 4096, batch 1, LLaDA-8B: 2 x 32 MiB and
-3 x 32 MiB, against 2 GiB of bias and gradient), and S x the MLP slots (S x L / tile_m x B of
+to 1/8 of the bias and its gradient each; at L = 4096, batch 1, LLaDA-8B: 3 x 32 MiB and
+2 x 32 MiB, against 2 GiB of bias and gradient), and S x the MLP slots (S x L / tile_m x B of
 them, 12.5 KB each at d_h 128 and the default hidden width 32).
 
-Layouts (contiguous, made by the wrapper): qpair [B, Hq, L, 2 NM], kpair [B, Hkv, L, 2 NM] in the
-model dtype (component 0 of pair m, dim 2m + 1, at 2m; component 1, dim F + 2m + 1, at 2m + 1:
-a copy, exact); bias, dbias [B, Hq, L, L] in the model dtype; kbias [B, L] fp32 (0 or the
-dtype's ``common.masked_key_bias``); the partials dqpair [key splits, B, Hq, L, 2 NM] and dkpair
-[row splits, B, Hkv, L, 2 NM] fp32 (zeroed); A, D [B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H],
-b2 [NM] fp32; MLP-gradient slots (one per query-side program: P = row tiles x key splits x B)
-dw1 [P, H, F], db1 [P, H] (written), dw2 [P, NM, H], db2 [P, NM] (zeroed). Query head h reads KV
-head h // REP.
-Rows and keys past L are masked on load (A = 0, D = 1, pair components 0) and never stored.
+Why the head loops look as they do (the sm_90 machine code; tests/unit/test_triton_resources.py
+holds it). Inside a head loop every thread works on its own (i, j, pair) elements of a
+[tile_m, tile_n, 16] tile, in the layout alpha, beta were given once per tile. Each thread loads
+the pair components of those elements itself, already broadcast over the other tile axis
+(``_pairs_across``: 16-byte fp32 loads; threads sharing a row or key read the same L1 line), and
+alpha, beta meet the loaded components before the head's dE does, so the compiler converts
+alpha, beta's layout once per tile, not each head's products once per head. Before, the
+components came in as [rows, pairs] tiles in bf16 and were redistributed through shared memory
+with block-wide barriers for every head (10 barriers per head in the forward, 5 and 14 per head
+and chunk in the backward kernels; now 2, 2 and 12: the key side still sums its tile over rows
+held by different warps).
+
+Layouts (contiguous, made by the wrapper): qpair [B, Hq, LP, 2 NMP], kpair [B, Hkv, LP, 2 NMP]
+fp32, component-major (``pair_backend.pair_components``: component 0 of pair m, dim 2m + 1, at m;
+component 1, dim F + 2m + 1, at NMP + m; zeros past L and NM: LP = ``launch.pair_padded_length``,
+NMP = NC x MC, so their loads need no mask); bias, dbias [B, Hq, L, L] in the model dtype; kbias
+[B, L] fp32 (0 or the dtype's ``common.masked_key_bias``); the partials dqpair [key splits, B, Hq,
+LP, 2 NMP] and dkpair [row splits, B, Hkv, LP, 2 NMP] fp32 in the same layout (zeroed); A, D
+[B, L, F] fp32; W1 [H, F], b1 [H], W2 [NM, H], b2 [NM] fp32; MLP-gradient slots (one per
+query-side program: P = row tiles x key splits x B) dw1 [P, H, F], db1 [P, H] (written), dw2
+[P, NM, H], db2 [P, NM] (zeroed). Query head h reads KV head h // REP.
+Rows and keys past L read A = 0, D = 1 (a finite ratio) and zero pair components; their dBias is
+read as 0, so they add nothing to the gradients, and their bias is never stored.
 
 Gradients of E for pair m (C = q1 k1 + q2 k2, S = q2 k1 - q1 k2; kernels.py): dE/dq1 = alpha k1 -
 beta k2, dE/dq2 = alpha k2 + beta k1, dE/dk1 = alpha q1 + beta q2, dE/dk2 = alpha q2 - beta q1,
@@ -58,23 +72,55 @@ from mdlmpe_ds.attention.triton.kernels import _load_rows, _load_w1, _phase_chun
 
 
 @triton.jit
-def _pair_rows(ptr, b, head, pos, m, num_heads, L, NM, pos_ok, m_ok):
-    """Pair components (x1, x2) [R, MC] fp32 of pairs ``m`` [MC] at positions ``pos`` [R] of one
-    head in a [B, H, L, 2 NM] array (zero outside)."""
-    row = ((b * num_heads + head) * L + pos).to(tl.int64) * (2 * NM)
-    offs = row[:, None, None] + (2 * m)[None, :, None] + tl.arange(0, 2)[None, None, :]  # [R, MC, 2]
-    mask = pos_ok[:, None, None] & m_ok[None, :, None]
-    return tl.split(tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32))
+def _pairs_across(head_ptr, pos, m, other, NMP: tl.constexpr, POS_FIRST: tl.constexpr):
+    """Pair components (x1, x2) of pairs ``m`` [MC] at positions ``pos`` [R] of one head's
+    [LP, 2 NMP] plane (``head_ptr``), loaded already broadcast over the other tile axis
+    (``other`` [O]): [R, O, MC] if POS_FIRST, else [O, R, MC]; fp32.
+
+    Why broadcast at the load: every thread loads the components its own (i, j, m) elements need,
+    in the layout the pair arithmetic uses (contiguous pairs: 16-byte loads; threads that share a
+    position read the same L1 line). A [R, MC] load broadcast afterwards would be converted
+    through shared memory, with block-wide barriers, once per head. No mask: the plane is padded
+    to LP rows and NMP pairs with zeros."""
+    off = pos * (2 * NMP)  # [R]
+    zero = tl.zeros_like(other)  # [O] (the other axis: a stride-0 broadcast)
+    if POS_FIRST:
+        offs = off[:, None, None] + zero[None, :, None] + m[None, None, :]
+    else:
+        offs = zero[:, None, None] + off[None, :, None] + m[None, None, :]
+    return tl.load(head_ptr + offs), tl.load(head_ptr + offs + NMP)
 
 
 @triton.jit
-def _pair_store(ptr, b, head, pos, m, num_heads, L, NM, pos_ok, m_ok, x1, x2):
-    """Add (x1, x2) [R, MC] to the pair components of one head (relaxed atomics: only the calling
-    program touches these positions, from the same threads each time: a fixed order)."""
-    row = ((b * num_heads + head) * L + pos).to(tl.int64) * (2 * NM)
-    offs = row[:, None, None] + (2 * m)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    mask = pos_ok[:, None, None] & m_ok[None, :, None]
-    tl.atomic_add(ptr + offs, tl.join(x1, x2), mask=mask, sem="relaxed")
+def _ds_tile(dbias, b, head, rows, cols, num_heads, L, scale, ROWS_FIRST: tl.constexpr):
+    """dE = dBias[b, head, i, j] * scale (fp32): [BM, BN] if ROWS_FIRST, else [BN, BM]; 0 outside
+    L x L. Loaded 2-D and broadcast over the pairs by the caller: a load already broadcast would
+    be converted to the pair arithmetic's layout with every pair's copy (it is contiguous along
+    the keys, the pair components along the pairs)."""
+    base = ((b * num_heads + head) * L).to(tl.int64) * L
+    if ROWS_FIRST:
+        offs = rows[:, None] * L + cols[None, :]
+        mask = (rows < L)[:, None] & (cols < L)[None, :]
+    else:
+        offs = cols[:, None] + rows[None, :] * L
+        mask = (cols < L)[:, None] & (rows < L)[None, :]
+    return tl.load(dbias + base + offs, mask=mask, other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def _add_pairs(row_ptr, x1, x2, NMP: tl.constexpr):
+    """Add (x1, x2) [R, MC] to the pair components at ``row_ptr`` [R, MC] (component 0; component
+    1 at + NMP): one atomic of both components (relaxed: only the calling program touches these
+    positions of its part, from the same threads each time, a fixed order; no fence)."""
+    both = tl.permute(tl.join(x1, x2), (0, 2, 1))  # [R, 2, MC]
+    offs = row_ptr[:, None, :] + (tl.arange(0, 2) * NMP)[None, :, None]
+    tl.atomic_add(offs, both, sem="relaxed")
+
+
+@triton.jit
+def _plane_ptr(ptr, b, head, num_heads, LP, NMP: tl.constexpr):
+    """Pointer to one head's [LP, 2 NMP] plane of a [B, H, LP, 2 NMP] pair array."""
+    return ptr + ((b * num_heads + head) * LP).to(tl.int64) * (2 * NMP)
 
 
 @triton.jit
@@ -106,6 +152,7 @@ def pair_bias_fwd_kernel(
     kbias,
     bias,
     L,
+    LP,
     HQ,
     HKV,
     F,
@@ -126,6 +173,7 @@ def pair_bias_fwd_kernel(
 ):
     """bias[b, h, i, j] = E_h[i, j] * scale + kbias[b, j] for every query head h of the (row tile,
     key tile) of this program (Eqs. (23)-(26) once, then 6 FMAs per head, pair and (i, j))."""
+    NMP: tl.constexpr = NC * MC
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     b = tl.program_id(2)
@@ -133,6 +181,7 @@ def pair_bias_fwd_kernel(
     col_ok = cols < L
     f = tl.arange(0, FP)
     f_ok = f < F
+    mm = tl.arange(0, MC)
     a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
     a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
@@ -145,20 +194,18 @@ def pair_bias_fwd_kernel(
         alphas = alphas + (al,)  # noqa: RUF005
         betas = betas + (be,)  # noqa: RUF005
     key_bias = tl.load(kbias + b * L + cols, mask=col_ok, other=0.0)  # [BN]
-    # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32; the bias in the model dtype.
+    # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32 (summed over the pairs once per
+    #    head); the bias in the model dtype.
     for h in range(HQ):
-        e = tl.zeros((BM, BN), tl.float32)
+        q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
+        k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
+        e3 = tl.zeros((BM, BN, MC), tl.float32)
         for c in tl.static_range(NC):
-            m = c * MC + tl.arange(0, MC)
-            m_ok = m < NM
-            q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
-            k1, k2 = _pair_rows(kpair, b, h // REP, cols, m, HKV, L, NM, col_ok, m_ok)  # [BN, MC]
-            q1 = q1[:, None, :]
-            q2 = q2[:, None, :]
-            k1 = k1[None, :, :]
-            k2 = k2[None, :, :]
-            e += tl.sum(alphas[c] * (q1 * k1 + q2 * k2) + betas[c] * (q2 * k1 - q1 * k2), axis=2)
+            q1, q2 = _pairs_across(q_plane, rows, c * MC + mm, cols, NMP, True)  # [BM, BN, MC]
+            k1, k2 = _pairs_across(k_plane, cols, c * MC + mm, rows, NMP, False)
+            e3 += alphas[c] * (q1 * k1 + q2 * k2) + betas[c] * (q2 * k1 - q1 * k2)
         ptrs, mask = _plane(bias, b, h, rows, cols, HQ, L, row_ok, col_ok)
+        e = tl.sum(e3, axis=2)
         tl.store(ptrs, (e * scale + key_bias[None, :]).to(bias.dtype.element_ty), mask=mask)
 
 
@@ -179,6 +226,7 @@ def pair_bias_bwd_q_kernel(
     dw2,
     db2,
     L,
+    LP,
     HQ,
     HKV,
     F,
@@ -202,54 +250,52 @@ def pair_bias_bwd_q_kernel(
     fewer): the query pair gradients of every head into the split's partial dqpair, dE/d delta
     summed over the heads, and the phase MLP's backward into this program's MLP slot
     ((split * B + b) * row tiles + row tile)."""
+    NMP: tl.constexpr = NC * MC
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     part = split * tl.num_programs(2) + b  # [S, B] -> S * B: this split's part of dqpair
     slot = part * tl.num_programs(0) + pid
-    dq_part = dqpair + part.to(tl.int64) * (HQ * L * 2 * NM)  # [Hq, L, 2 NM]
+    dq_part = dqpair + part.to(tl.int64) * HQ * LP * (2 * NMP)  # [Hq, LP, 2 NMP]
     key_start = split * SPLIT_TILES * BN
     key_end = tl.minimum(key_start + SPLIT_TILES * BN, L)
     rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < L
     f = tl.arange(0, FP)
     f_ok = f < F
     hh = tl.arange(0, HP)
+    mm = tl.arange(0, MC)
     a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
     dw1_acc = tl.zeros((HP, FP), tl.float32)
     db1_acc = tl.zeros((HP,), tl.float32)
     for start in range(key_start, key_end, BN):
         cols = start + tl.arange(0, BN)
-        col_ok = cols < L
         a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
         _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
         d_hid = tl.zeros((BM * BN, HP), tl.float32)
         for c in tl.static_range(NC):
             t, al, be, w2c = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            m = c * MC + tl.arange(0, MC)
-            m_ok = m < NM
+            m = c * MC + mm
             # 1. Per head: dE, the query pair gradient (P = dE (alpha + i beta) times z_k, summed
             #    over the keys) and dE/d delta = -beta C + (1 + alpha) S, summed over the heads.
             dd = tl.zeros((BM, BN, MC), tl.float32)
             for h in range(HQ):
-                ptrs, mask = _plane(dbias, b, h, rows, cols, HQ, L, row_ok, col_ok)
-                ds = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale)[:, :, None]
-                q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
-                k1, k2 = _pair_rows(kpair, b, h // REP, cols, m, HKV, L, NM, col_ok, m_ok)  # [BN, MC]
-                q1 = q1[:, None, :]
-                q2 = q2[:, None, :]
-                k1 = k1[None, :, :]
-                k2 = k2[None, :, :]
-                ga = ds * al
-                gb = ds * be
-                v1 = ga * k1 - gb * k2  # [BM, BN, MC]
-                v2 = ga * k2 + gb * k1
-                dq1 = tl.sum(v1, axis=1)  # [BM, MC]
-                dq2 = tl.sum(v2, axis=1)
-                _pair_store(dq_part, 0, h, rows, m, HQ, L, NM, row_ok, m_ok, dq1, dq2)
-                dd += q2 * (ds * k1 + v1) - q1 * (ds * k2 + v2)
+                ds = _ds_tile(dbias, b, h, rows, cols, HQ, L, scale, True)[:, :, None]  # [BM, BN, 1]
+                q1, q2 = _pairs_across(_plane_ptr(qpair, b, h, HQ, LP, NMP), rows, m, cols, NMP, True)
+                k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
+                k1, k2 = _pairs_across(k_plane, cols, m, rows, NMP, False)
+                # dE/dq = dE (alpha k1 - beta k2, alpha k2 + beta k1): alpha, beta meet the
+                # loaded components before the per-head dE (their layout is converted once per
+                # key tile, not each head's products once per head).
+                u1 = al * k1 - be * k2  # [BM, BN, MC]
+                u2 = al * k2 + be * k1
+                # This program's rows of its part only.
+                dq_row = dq_part + (h * LP + rows).to(tl.int64)[:, None] * (2 * NMP) + m[None, :]
+                _add_pairs(dq_row, tl.sum(ds * u1, axis=1), tl.sum(ds * u2, axis=1), NMP)  # [BM, MC]
+                # dE/d delta = dE ((1 + alpha) S - beta C) = dE (q2 (k1 + u1) - q1 (k2 + u2)).
+                dd += ds * (q2 * (k1 + u1) - q1 * (k2 + u2))
             # 2. Back through delta = tau tanh(W2 hid + b2): this chunk's W2 rows, b2 and hid.
+            m_ok = m < NM
             d_out = tl.reshape(dd, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
             w_mask = m_ok[:, None] & (hh[None, :] < HID)
             dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
@@ -281,6 +327,7 @@ def pair_bias_bwd_k_kernel(
     dbias,
     dkpair,
     L,
+    LP,
     HQ,
     HKV,
     F,
@@ -302,41 +349,43 @@ def pair_bias_bwd_k_kernel(
 ):
     """For one key tile, over the SPLIT_TILES row tiles of its split (the last split's may be
     fewer): the key pair gradient of every KV head, P^T z_q summed over those rows and the REP
-    query heads that read it, added to this program's keys in the split's partial dkpair."""
+    query heads that read it, added to this program's keys in the split's partial dkpair.
+
+    The tiles are keys first ([BN, BM, MC]: alpha, beta from the MLP with the keys as its row
+    operand, the same values: the pair ratio's sums commute exactly), so the sum over the rows
+    stays inside a warp (shuffles, no shared memory or barrier)."""
+    NMP: tl.constexpr = NC * MC
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
     b = tl.program_id(2)
     part = split * tl.num_programs(2) + b  # [S, B] -> S * B: this split's part of dkpair
-    dk_part = dkpair + part.to(tl.int64) * (HKV * L * 2 * NM)  # [Hkv, L, 2 NM]
+    dk_part = dkpair + part.to(tl.int64) * HKV * LP * (2 * NMP)  # [Hkv, LP, 2 NMP]
     row_start = split * SPLIT_TILES * BM
     row_end = tl.minimum(row_start + SPLIT_TILES * BM, L)
-    col_ok = cols < L
     f = tl.arange(0, FP)
     f_ok = f < F
+    mm = tl.arange(0, MC)
     a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
     for start in range(row_start, row_end, BM):
         rows = start + tl.arange(0, BM)
-        row_ok = rows < L
         a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
-        # The same operand order as the forward (bit-identical alpha, beta when the tiles match).
         _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
         for c in tl.static_range(NC):
             _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            m = c * MC + tl.arange(0, MC)
-            m_ok = m < NM
+            m = c * MC + mm
             for kv in range(HKV):
-                dk1 = tl.zeros((BN, MC), tl.float32)
-                dk2 = tl.zeros((BN, MC), tl.float32)
+                acc1 = tl.zeros((BM, BN, MC), tl.float32)
+                acc2 = tl.zeros((BM, BN, MC), tl.float32)
                 for r in range(REP):
                     h = kv * REP + r
-                    ptrs, mask = _plane(dbias, b, h, rows, cols, HQ, L, row_ok, col_ok)
-                    ds = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale)[:, :, None]
-                    q1, q2 = _pair_rows(qpair, b, h, rows, m, HQ, L, NM, row_ok, m_ok)  # [BM, MC]
-                    q1 = q1[:, None, :]
-                    q2 = q2[:, None, :]
-                    ga = ds * al
-                    gb = ds * be
-                    dk1 += tl.sum(ga * q1 + gb * q2, axis=0)  # [BN, MC]
-                    dk2 += tl.sum(ga * q2 - gb * q1, axis=0)
-                _pair_store(dk_part, 0, kv, cols, m, HKV, L, NM, col_ok, m_ok, dk1, dk2)
+                    ds = _ds_tile(dbias, b, h, rows, cols, HQ, L, scale, True)[:, :, None]  # [BM, BN, 1]
+                    q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
+                    q1, q2 = _pairs_across(q_plane, rows, m, cols, NMP, True)  # [BM, BN, MC]
+                    # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet
+                    # the loaded components before the per-head dE (their layout is converted
+                    # once per row tile, not each head's products once per head).
+                    acc1 += ds * (al * q1 + be * q2)
+                    acc2 += ds * (al * q2 - be * q1)
+                dk_row = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP) + m[None, :]
+                _add_pairs(dk_row, tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), NMP)  # [BN, MC]
