@@ -10,7 +10,8 @@ phase MLP's four tensors. The interpreter runs every program in Python, so the c
 What the cases reach: lengths that the tile does not divide (48 at tile 32: a ragged last row
 and key tile in every kernel), ragged key padding and a padding-only sequence, GQA 2:1 (the key
 kernel's sum over the query heads of a KV head), some KV heads inactive (routed to plain SDPA),
-none active, bf16 (the bias stored in bf16), and the sm_90 launch settings at L = 272.
+none active, bf16 (the bias stored in bf16), and the sm_90 launch settings at L = 1, 33, 42 and
+272 (the pair arrays padded to whole tiles: 31 padding rows at L = 1).
 
 Tolerances as in test_attention_shapes.py (fp32: 2e-5 on O(1) values; bf16: 3e-2).
 """
@@ -43,6 +44,10 @@ PAIR_CASES = [
     # the sm_90 launch settings (16 x 8 tiles, the key side 32 x 8, chunk 16) at L = 42: the last row
     # and key tiles ragged in all three kernels.
     Case(42, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
+    # the pair arrays padded to LP = 32 at the sm_90 tiles: one position (31 rows of padding), and
+    # 33 (one past a whole key-side tile; the second sequence padded).
+    Case(1, pads=(0,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
+    Case(33, pads=(0, 3), hq=2, hkv=2, active="11", dtype="bfloat16", launch="sm90"),
 ]
 #: The backward's split loops forced: L = 52 at tile 8 is 7 row and 7 key tiles; 3 splits are
 #: 3 + 3 + 1 tiles (the last split ragged, its last tile too), 1 split the whole loop. Batch 2 with
