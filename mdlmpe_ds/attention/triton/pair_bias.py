@@ -44,7 +44,8 @@ alpha, beta's layout once per tile, not each head's products once per head. Befo
 components came in as [rows, pairs] tiles in bf16 and were redistributed through shared memory
 with block-wide barriers for every head (10 barriers per head in the forward, 5 and 14 per head
 and chunk in the backward kernels; now 2, 2 and 12: the key side still sums its tile over rows
-held by different warps).
+held by different warps). The backward kernels request the next head's dBias tile (streamed from
+HBM) before the current head's arithmetic, so that its latency overlaps it.
 
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, LP, 2 NMP], kpair [B, Hkv, LP, 2 NMP]
 fp32, component-major (``pair_backend.pair_components``: component 0 of pair m, dim 2m + 1, at m;
@@ -279,8 +280,12 @@ def pair_bias_bwd_q_kernel(
             # 1. Per head: dE, the query pair gradient (P = dE (alpha + i beta) times z_k, summed
             #    over the keys) and dE/d delta = -beta C + (1 + alpha) S, summed over the heads.
             dd = tl.zeros((BM, BN, MC), tl.float32)
+            ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
             for h in range(HQ):
-                ds = _ds_tile(dbias, b, h, rows, cols, HQ, L, scale, True)[:, :, None]  # [BM, BN, 1]
+                # dBias streams from HBM: the next head's tile is requested before this head's
+                # arithmetic, so its latency overlaps it (the last head reloads itself).
+                ds = ds_next[:, :, None]  # [BM, BN, 1]
+                ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
                 q1, q2 = _pairs_across(_plane_ptr(qpair, b, h, HQ, LP, NMP), rows, m, cols, NMP, True)
                 k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
                 k1, k2 = _pairs_across(k_plane, cols, m, rows, NMP, False)
@@ -374,12 +379,15 @@ def pair_bias_bwd_k_kernel(
         for c in tl.static_range(NC):
             _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
             m = c * MC + mm
+            ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
             for kv in range(HKV):
                 acc1 = tl.zeros((BM, BN, MC), tl.float32)
                 acc2 = tl.zeros((BM, BN, MC), tl.float32)
                 for r in range(REP):
                     h = kv * REP + r
-                    ds = _ds_tile(dbias, b, h, rows, cols, HQ, L, scale, True)[:, :, None]  # [BM, BN, 1]
+                    # The next query head's dBias tile requested first (prefetch, as the query side).
+                    ds = ds_next[:, :, None]  # [BM, BN, 1]
+                    ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
                     q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
                     q1, q2 = _pairs_across(q_plane, rows, m, cols, NMP, True)  # [BM, BN, MC]
                     # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet
