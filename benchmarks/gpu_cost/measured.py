@@ -380,20 +380,20 @@ def sweep_model_table(sweep: dict) -> str:
 
 def rework_rows(record: dict, length: int = 2048) -> list[dict]:
     """Per triton-pair kernel: the build the H100 timed against today's, by their sm_90 machine code
-    (``pair_built``: one pass of the per-head loop, per warp; warp-instructions per program pass),
+    (``pair_built``: per head and warp, over all pair chunks; warp-instructions per program pass),
     the measured ms, and the ESTIMATE of today's ms if a kernel's time scaled with the
     instructions it issues (its issue efficiency unchanged; fewer barriers would also shorten
     the latency the counters show it waiting on, which this does not count)."""
     kernels = record["benchmark"]["lengths"][str(length)]["kernels_ms"]["pair_bias"]
     rows = []
     for kernel, loops in pair_built.TODAY_LOOPS.items():
-        then = pair_built.MEASURED_BUILD_LOOPS[kernel][0]
+        then = pair_built.per_head(pair_built.MEASURED_BUILD_LOOPS[kernel])
         scale = pair_built.TODAY_EXECUTED[kernel] / pair_built.MEASURED_BUILD_EXECUTED[kernel]
         rows.append(
             dict(
                 kernel=kernel,
                 before=then,
-                now=loops[0],
+                now=pair_built.per_head(loops),
                 executed=(pair_built.MEASURED_BUILD_EXECUTED[kernel], pair_built.TODAY_EXECUTED[kernel]),
                 ms=kernels[kernel],
                 estimate_ms=kernels[kernel] * scale,
@@ -419,8 +419,9 @@ def rework_step_ratio(record: dict, length: int = 2048) -> tuple[float, float]:
 def rework_table(record: dict, length: int = 2048) -> str:
     """docs/gpu.md's table of the head-loop rework (``rework_rows``) at ``length``."""
     head = (
-        f"| kernel (L = {length}) | per-head loop, per warp: instructions / barriers / shared / shuffles, "
-        "timed build → today | warp-instructions per pass | measured ms | ESTIMATE ms, issue-scaled |"
+        f"| kernel (L = {length}) | per head and warp, both pair chunks: instructions / barriers / "
+        "shared / shuffles, timed build → today | warp-instructions per pass | measured ms | "
+        "ESTIMATE ms, issue-scaled |"
     )
     lines = [head, "|---|---|---|---|---|"]
     for r in rework_rows(record, length):

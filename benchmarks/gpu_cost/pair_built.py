@@ -75,8 +75,8 @@ BUILT = {
 #: a fresh AOT compile by tests/unit/test_triton_resources.py. Not yet timed on a GPU.
 TODAY = {
     "pair_forward": (122, 0, 40960),
-    "pair_backward_q": (255, 272, 40960),
-    "pair_backward_k": (128, 120, 73728),
+    "pair_backward_q": (255, 240, 40960),
+    "pair_backward_k": (128, 144, 73728),
 }
 
 
@@ -87,16 +87,17 @@ def _loop(instructions, fp32, barriers, shared, shuffles, global_loads, spill) -
     )  # fmt: skip
 
 
-#: Per warp, one pass of each per-head loop (``sass.body_summary`` of ``sass.innermost_loops``: the
-#: forward has one, over the query heads with both pair chunks inside; each backward kernel one per
-#: pair chunk, over the query or KV heads), AOT sm_90, bf16, d_h 128, ``CONFIG``. A pass covers
-#: tile_m x tile_n x 16 (i, j, pair) elements per chunk for one head: 8 per thread per chunk in
-#: the forward and the query side (16 x 8 tiles), 16 in the key side (32 x 8). ``TODAY_LOOPS`` is
-#: checked against a fresh compile; ``MEASURED_BUILD_LOOPS`` is the build the H100 timed.
+#: Per warp, one pass of each per-head loop (``sass.body_summary`` of ``sass.innermost_loops``),
+#: AOT sm_90, bf16, d_h 128, ``CONFIG``. Today every kernel has one, over the query heads (KV heads
+#: in the key side) with both pair chunks inside; the timed build's backward kernels had one per
+#: pair chunk (their chunk loop outside the head loop), so a head ran both. Per head and chunk a
+#: thread owns tile_m x tile_n x 16 / 256 (i, j, pair) elements: 8 in the forward and the query
+#: side (16 x 8 tiles), 16 in the key side (32 x 8). ``TODAY_LOOPS`` is checked against a fresh
+#: compile; ``MEASURED_BUILD_LOOPS`` is the build the H100 timed. ``per_head`` sums a kernel's.
 TODAY_LOOPS = {
     "pair_forward": [_loop(176, 124, 2, 2, 4, 12, 0)],
-    "pair_backward_q": [_loop(245, 138, 2, 5, 48, 8, 0), _loop(247, 138, 2, 5, 48, 8, 0)],
-    "pair_backward_k": [_loop(247, 145, 12, 16, 24, 9, 7), _loop(249, 145, 12, 16, 24, 9, 9)],
+    "pair_backward_q": [_loop(456, 274, 4, 10, 96, 14, 0)],
+    "pair_backward_k": [_loop(467, 289, 22, 27, 48, 17, 23)],
 }
 MEASURED_BUILD_LOOPS = {
     "pair_forward": [_loop(226, 122, 10, 21, 8, 4, 0)],
@@ -105,11 +106,17 @@ MEASURED_BUILD_LOOPS = {
 }
 
 
+def per_head(loops: list[dict[str, int]]) -> dict[str, int]:
+    """What one warp issues per head (KV head in the key side) over all pair chunks: the sum of a
+    kernel's per-head loops (each runs once per head)."""
+    return {key: sum(loop[key] for loop in loops) for key in loops[0]}
+
+
 #: Warp-instructions per pass of each kernel's widest loop (``sass.executed_per_pass``: the whole
 #: program of the forward; one looped tile of each backward kernel), the per-head loops run for
 #: the 32 heads of LLaDA-8B: today's kernels (checked against a fresh compile) and the build the
 #: H100 timed.
-TODAY_EXECUTED = {"pair_forward": 7560, "pair_backward_q": 18728, "pair_backward_k": 19375}
+TODAY_EXECUTED = {"pair_forward": 7560, "pair_backward_q": 17529, "pair_backward_k": 18402}
 MEASURED_BUILD_EXECUTED = {"pair_forward": 9134, "pair_backward_q": 20882, "pair_backward_k": 21404}
 
 

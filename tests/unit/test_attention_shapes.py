@@ -114,7 +114,19 @@ FAST = [
     Case(19, pads=(0, 4), hq=2, hkv=2, active="00", launch="tile=8", key_span=16),
     # the sm_90 bf16 defaults (tile 64, G 1, phase tile 16, span 256): LP = 320, spans 256 + 64.
     Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
+    # d_h 16: 4 MDLMPE pairs in chunks of 2, so every kernel's pair-chunk loop runs twice (the
+    # cases above have 2 pairs, one chunk; LLaDA's 32 pairs are 2 chunks of 16).
+    Case(21, pads=(0, 3), hq=4, hkv=2, launch="tile=8", key_span=16, head_dim=16),
 ]
+
+
+#: Pair chunks per launch of ``case`` (the phase kernels' NC): |M| = d_h / 4 in chunks of 2 at
+#: 'tile=N', of 16 on a GPU, whole in the interpreter otherwise (the cases have at most 16 pairs).
+def pair_chunks(case: Case) -> int:
+    pairs = case.head_dim // 4
+    chunk = 2 if case.launch.startswith("tile=") else pairs
+    return -(-pairs // chunk)
+
 
 #: The lengths every sweep includes (the issue's list: around the span, the tiles and 2^k).
 SWEEP_LENGTHS = (1, 2, 15, 17, 100, 255, 256, 257, 272, 320, 511, 513, 1025, 1100)
@@ -372,7 +384,8 @@ def test_every_backend_refuses_a_wrong_head_mask(monkeypatch, backend, mask):
 
 def test_fast_cases_reach_every_branch():
     """The always-run cases keep their reach: a span tail in both launch modes, ragged and full
-    padding, GQA 4:1, partial and empty head sets, bf16, the sm_90 settings past 256."""
+    padding, GQA 4:1, partial and empty head sets, bf16, the sm_90 settings past 256, more than
+    one pair chunk."""
     from mdlmpe_ds.attention.triton.launch import padded_length
 
     def span_tail(c: Case, step: int) -> bool:
@@ -386,6 +399,7 @@ def test_fast_cases_reach_every_branch():
     assert any(-1 in c.pads for c in FAST) and any(c.hq == 4 * c.hkv for c in FAST)
     actives = {c.active.count("1") / len(c.active) for c in FAST}
     assert {0.0, 0.5, 1.0} <= actives
+    assert max(pair_chunks(c) for c in FAST) >= 2  # the pair-chunk loops run more than once
 
 
 def test_sweep_covers_the_listed_lengths_and_settings():

@@ -28,7 +28,15 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from test_attention_shapes import OUTPUTS, Case, _check, _inputs, attention_runner, poisoned_allocations
+from test_attention_shapes import (
+    OUTPUTS,
+    Case,
+    _check,
+    _inputs,
+    attention_runner,
+    pair_chunks,
+    poisoned_allocations,
+)
 
 #: launch: 'tile=N' (N x N tiles, pairs in chunks of 2; the backward's loop splits chosen per call,
 #: ``launch.pair_backward_splits``: 2 to 3 here), 'tile=N,keys=S,rows=R' (the same with S key
@@ -48,6 +56,9 @@ PAIR_CASES = [
     # 33 (one past a whole key-side tile; the second sequence padded).
     Case(1, pads=(0,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90"),
     Case(33, pads=(0, 3), hq=2, hkv=2, active="11", dtype="bfloat16", launch="sm90"),
+    # d_h 16: 4 MDLMPE pairs in chunks of 2, so each kernel's pair-chunk loop runs twice (as with
+    # LLaDA's 32 pairs in chunks of 16 on a GPU); GQA 2:1.
+    Case(21, pads=(0, 3), hq=4, hkv=2, head_dim=16, launch="tile=8"),
 ]
 #: The backward's split loops forced: L = 52 at tile 8 is 7 row and 7 key tiles; 3 splits are
 #: 3 + 3 + 1 tiles (the last split ragged, its last tile too), 1 split the whole loop. Batch 2 with
@@ -55,6 +66,10 @@ PAIR_CASES = [
 SPLIT_CASES = [
     Case(52, pads=(0, 9), hq=4, hkv=2, launch="tile=8,keys=3,rows=3"),
     Case(52, pads=(4, 0), hq=4, hkv=2, launch="tile=8,keys=1,rows=1"),
+    # two pair chunks (d_h 16) under forced splits, bf16, GQA 2:1 with one KV head.
+    Case(
+        26, pads=(2, 0), hq=2, hkv=1, active="1", head_dim=16, dtype="bfloat16", launch="tile=8,keys=2,rows=2"
+    ),
 ]
 #: ``make test-all`` (marker ``slow``): the sm_90 settings at L = 272 (~90 s on an idle core).
 SLOW_CASES = [Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90")]
@@ -123,7 +138,7 @@ def test_split_cases_reach_a_ragged_last_split_and_one_split():
     from mdlmpe_ds.attention.triton.launch import pair_backward_splits
 
     seen = []
-    for case in SPLIT_CASES:
+    for case in SPLIT_CASES[:2]:  # the third: two pair chunks under 2 + 2 splits
         config = _launch(case)
         splits = pair_backward_splits(
             config, length=case.length, batch=2, num_heads=4, num_kv=2, num_pairs=2, bias_itemsize=4, sms=132
@@ -181,9 +196,10 @@ def test_cases_reach_the_ragged_tiles_and_head_sets():
 
     assert all(c.length % _launch(c).tile_m and c.length % _launch(c).tile_n for c in PAIR_CASES[:2])
     assert PAIR_CASES[3].length % 8 and PAIR_CASES[3].length % 16  # ragged at the sm_90 tiles
-    assert _launch(PAIR_CASES[-1]) == PairLaunchConfig() == _launch(SLOW_CASES[0])
+    assert _launch(PAIR_CASES[3]) == PairLaunchConfig() == _launch(SLOW_CASES[0])
     assert any(-1 in c.pads for c in PAIR_CASES) and any(c.hq == 2 * c.hkv for c in PAIR_CASES)
     assert {c.active for c in PAIR_CASES} >= {"11", "01", "00"}
+    assert max(pair_chunks(c) for c in PAIR_CASES + SPLIT_CASES) >= 2  # chunk loops run twice
 
 
 def _correction(q, k, A, D, mlp, tau_max=0.25, clip_kappa=1e-4):

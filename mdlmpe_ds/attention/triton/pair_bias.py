@@ -17,7 +17,8 @@ registers and loops over the heads itself, so nothing of size |M| L^2 is ever wr
   its split): per tile alpha, beta again, per head dE = dBias * scale folded into the query pair
   gradient (this program's rows of its split's partial dqpair only: atomics from one program, a
   fixed order) and into dE/d delta summed over the heads in registers; then, still in registers,
-  back through tau * tanh and the MLP; the MLP gradients go to this program's own slot.
+  back through tau * tanh and the MLP (its hidden layer recomputed after the head loop, so that
+  it is not live through it); the MLP gradients go to this program's own slot.
 - ``pair_bias_bwd_k_kernel`` (grid: key tiles, row splits, sequences; loop over the row tiles of
   its split): the key pair gradient, summed over the query heads of each KV head in registers,
   into this program's keys of its split's partial dkpair.
@@ -35,16 +36,18 @@ to 1/8 of the bias and its gradient each; at L = 4096, batch 1, LLaDA-8B: 3 x 32
 them, 12.5 KB each at d_h 128 and the default hidden width 32).
 
 Why the head loops look as they do (the sm_90 machine code; tests/unit/test_triton_resources.py
-holds it). Inside a head loop every thread works on its own (i, j, pair) elements of a
-[tile_m, tile_n, 16] tile, in the layout alpha, beta were given once per tile. Each thread loads
+holds it). Every kernel loops over the heads with all pair chunks inside (alpha, beta of every
+chunk live through the loop), so each head's dBias tile and pair-component planes are read once.
+Inside the loop every thread works on its own (i, j, pair) elements of [tile_m, tile_n, 16]
+tiles, in the layout alpha, beta were given once per tile. Each thread loads
 the pair components of those elements itself, already broadcast over the other tile axis
 (``_pairs_across``: 16-byte fp32 loads; threads sharing a row or key read the same L1 line), and
 alpha, beta meet the loaded components before the head's dE does, so the compiler converts
 alpha, beta's layout once per tile, not each head's products once per head. Before, the
 components came in as [rows, pairs] tiles in bf16 and were redistributed through shared memory
-with block-wide barriers for every head (10 barriers per head in the forward, 5 and 14 per head
-and chunk in the backward kernels; now 2, 2 and 12: the key side still sums its tile over rows
-held by different warps). The backward kernels request the next head's dBias tile (streamed from
+with block-wide barriers for every head (10 barriers per head in the forward, 10 and 28 in the
+backward kernels; now 2, 4 and 22: the key side still sums its tiles over rows held by different
+warps). The backward kernels request the next head's dBias tile (streamed from
 HBM) before the current head's arithmetic, so that its latency overlaps it.
 
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, LP, 2 NMP], kpair [B, Hkv, LP, 2 NMP]
@@ -272,46 +275,62 @@ def pair_bias_bwd_q_kernel(
     for start in range(key_start, key_end, BN):
         cols = start + tl.arange(0, BN)
         a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
+        # 1. alpha, beta and t = tanh(.) of every pair chunk, kept through the head loop; the
+        #    hidden layer is not (it is recomputed for the MLP's backward below).
         _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        ts = ()
+        alphas = ()
+        betas = ()
+        dds = ()
+        for c in tl.static_range(NC):
+            t, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+            ts = ts + (t,)  # noqa: RUF005
+            alphas = alphas + (al,)  # noqa: RUF005
+            betas = betas + (be,)  # noqa: RUF005
+            dds = dds + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+        # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
+        #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
+        #    (1 + alpha) S, summed over the heads, per chunk.
+        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
+        for h in range(HQ):
+            # dBias streams from HBM: the next head's tile is requested before this head's
+            # arithmetic, so its latency overlaps it (the last head reloads itself).
+            ds = ds_next[:, :, None]  # [BM, BN, 1]
+            ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
+            q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
+            k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
+            dq_rows = dq_part + (h * LP + rows).to(tl.int64)[:, None] * (2 * NMP)  # this program's rows
+            summed = ()
+            for c in tl.static_range(NC):
+                m = c * MC + mm
+                q1, q2 = _pairs_across(q_plane, rows, m, cols, NMP, True)  # [BM, BN, MC]
+                k1, k2 = _pairs_across(k_plane, cols, m, rows, NMP, False)
+                # dE/dq = dE (alpha k1 - beta k2, alpha k2 + beta k1): alpha, beta meet the loaded
+                # components before the per-head dE (their layout is converted once per key
+                # tile, not each head's products once per head).
+                u1 = alphas[c] * k1 - betas[c] * k2
+                u2 = alphas[c] * k2 + betas[c] * k1
+                _add_pairs(dq_rows + m[None, :], tl.sum(ds * u1, axis=1), tl.sum(ds * u2, axis=1), NMP)
+                # dE/d delta = dE ((1 + alpha) S - beta C) = dE (q2 (k1 + u1) - q1 (k2 + u2)).
+                summed = summed + (dds[c] + ds * (q2 * (k1 + u1) - q1 * (k2 + u2)),)  # noqa: RUF005
+            dds = summed
+        # 3. Back through delta = tau tanh(W2 hid + b2) and the hidden layer, recomputed (SWAP:
+        #    not CSE'd with the first evaluation, which would keep it live through the head loop).
+        s2, pre, sig, hid = _phase_hidden(
+            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC, True
+        )
         d_hid = tl.zeros((BM * BN, HP), tl.float32)
         for c in tl.static_range(NC):
-            t, al, be, w2c = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
             m = c * MC + mm
-            # 1. Per head: dE, the query pair gradient (P = dE (alpha + i beta) times z_k, summed
-            #    over the keys) and dE/d delta = -beta C + (1 + alpha) S, summed over the heads.
-            dd = tl.zeros((BM, BN, MC), tl.float32)
-            ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
-            for h in range(HQ):
-                # dBias streams from HBM: the next head's tile is requested before this head's
-                # arithmetic, so its latency overlaps it (the last head reloads itself).
-                ds = ds_next[:, :, None]  # [BM, BN, 1]
-                ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
-                q1, q2 = _pairs_across(_plane_ptr(qpair, b, h, HQ, LP, NMP), rows, m, cols, NMP, True)
-                k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
-                k1, k2 = _pairs_across(k_plane, cols, m, rows, NMP, False)
-                # dE/dq = dE (alpha k1 - beta k2, alpha k2 + beta k1): alpha, beta meet the
-                # loaded components before the per-head dE (their layout is converted once per
-                # key tile, not each head's products once per head).
-                u1 = al * k1 - be * k2  # [BM, BN, MC]
-                u2 = al * k2 + be * k1
-                # This program's rows of its part only.
-                dq_row = dq_part + (h * LP + rows).to(tl.int64)[:, None] * (2 * NMP) + m[None, :]
-                _add_pairs(dq_row, tl.sum(ds * u1, axis=1), tl.sum(ds * u2, axis=1), NMP)  # [BM, MC]
-                # dE/d delta = dE ((1 + alpha) S - beta C) = dE (q2 (k1 + u1) - q1 (k2 + u2)).
-                dd += ds * (q2 * (k1 + u1) - q1 * (k2 + u2))
-            # 2. Back through delta = tau tanh(W2 hid + b2): this chunk's W2 rows, b2 and hid.
             m_ok = m < NM
-            d_out = tl.reshape(dd, (BM * BN, MC)) * tau_max * (1.0 - t * t)  # [BM*BN, MC]
             w_mask = m_ok[:, None] & (hh[None, :] < HID)
+            w2c = tl.load(w2 + m[:, None] * HID + hh[None, :], mask=w_mask, other=0.0)  # [MC, HP]
+            d_out = tl.reshape(dds[c], (BM * BN, MC)) * tau_max * (1.0 - ts[c] * ts[c])  # [BM*BN, MC]
             dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
             w2_slot = dw2 + slot * NM * HID + m[:, None] * HID + hh[None, :]
             tl.atomic_add(w2_slot, dw2_c, mask=w_mask, sem="relaxed")  # only this program's slot
             tl.atomic_add(db2 + slot * NM + m, tl.sum(d_out, axis=0), mask=m_ok, sem="relaxed")
             d_hid += tl.dot(d_out, w2c, input_precision=PREC)  # [BM*BN, HP]
-        # 3. The hidden layer, recomputed (SWAP: not CSE'd with the first evaluation).
-        s2, pre, sig, _ = _phase_hidden(
-            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC, True
-        )
         d_pre = d_hid * sig * (1.0 + pre * (1.0 - sig))
         dw1_acc += tl.dot(tl.trans(d_pre), s2, input_precision=PREC)  # [HP, FP]
         db1_acc += tl.sum(d_pre, axis=0)
@@ -376,24 +395,38 @@ def pair_bias_bwd_k_kernel(
         rows = start + tl.arange(0, BM)
         a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
         _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+        alphas = ()
+        betas = ()
         for c in tl.static_range(NC):
             _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            m = c * MC + mm
-            ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
-            for kv in range(HKV):
-                acc1 = tl.zeros((BM, BN, MC), tl.float32)
-                acc2 = tl.zeros((BM, BN, MC), tl.float32)
-                for r in range(REP):
-                    h = kv * REP + r
-                    # The next query head's dBias tile requested first (prefetch, as the query side).
-                    ds = ds_next[:, :, None]  # [BM, BN, 1]
-                    ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
-                    q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
-                    q1, q2 = _pairs_across(q_plane, rows, m, cols, NMP, True)  # [BM, BN, MC]
-                    # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet
-                    # the loaded components before the per-head dE (their layout is converted
-                    # once per row tile, not each head's products once per head).
-                    acc1 += ds * (al * q1 + be * q2)
-                    acc2 += ds * (al * q2 - be * q1)
-                dk_row = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP) + m[None, :]
-                _add_pairs(dk_row, tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), NMP)  # [BN, MC]
+            alphas = alphas + (al,)  # noqa: RUF005
+            betas = betas + (be,)  # noqa: RUF005
+        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
+        for kv in range(HKV):
+            dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
+            acc1 = ()
+            acc2 = ()
+            for _chunk in tl.static_range(NC):
+                acc1 = acc1 + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+                acc2 = acc2 + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+            for r in range(REP):
+                h = kv * REP + r
+                # The next query head's dBias tile requested first (prefetch, as the query side);
+                # each head's tile is loaded once for all pair chunks.
+                ds = ds_next[:, :, None]  # [BM, BN, 1]
+                ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
+                q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
+                new1 = ()
+                new2 = ()
+                for c in tl.static_range(NC):
+                    q1, q2 = _pairs_across(q_plane, rows, c * MC + mm, cols, NMP, True)  # [BM, BN, MC]
+                    # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet the
+                    # loaded components before the per-head dE (their layout is converted once
+                    # per row tile, not each head's products once per head).
+                    new1 = new1 + (acc1[c] + ds * (alphas[c] * q1 + betas[c] * q2),)  # noqa: RUF005
+                    new2 = new2 + (acc2[c] + ds * (alphas[c] * q2 - betas[c] * q1),)  # noqa: RUF005
+                acc1 = new1
+                acc2 = new2
+            for c in tl.static_range(NC):
+                dk_row = dk_rows + (c * MC + mm)[None, :]
+                _add_pairs(dk_row, tl.sum(acc1[c], axis=0), tl.sum(acc2[c], axis=0), NMP)  # [BN, MC]
