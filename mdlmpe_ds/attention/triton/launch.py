@@ -287,12 +287,12 @@ def pair_launch_config(head_dim: int, dtype: torch.dtype, capability: int) -> Pa
       fits (280 B per thread at 16 x 8 compiled as launched, ``aot._DIVISIBLE_INTS``; the sweep's
       compiles, without the head counts marked, gave 328 B at 16 x 8 and 224 B at 8 x 16); a cap
       of 128 registers (16 warps) made it 1.2-2.5x slower. Today's query side (heads outer, the
-      hidden layer recomputed after the head loop, ``pair_bias``) spills 240 B; not yet timed.
+      hidden layer recomputed after the head loop, ``pair_bias``) spills 256 B; not yet timed.
     - key-side backward: 32 x 8 tiles (a program owns 8 keys and loops over row tiles of 32),
       8 warps under 128 registers, so two CTAs share an SM: 7.4 ms, against 13.6 at the previous
       8 x 16 and 9.9 at 16 x 8 (16.5 uncapped there). It spilled 168 B per thread (216 B in the
       sweep's compile); today's (alpha, beta of both pair chunks live through its head loop)
-      spills 144 B, not yet timed.
+      spills 160 B, not yet timed.
     - pairs in chunks of 16 (the smallest tile product), one pipelining stage.
     - The layer (the three kernels and SDPA's biased attention, fwd + bwd): 33.8 ms, against 42.0
       at the sweep's 8 x 16 / 8 warps for all three (``make gpu-check``'s benchmark; the records

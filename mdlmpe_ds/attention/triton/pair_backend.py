@@ -66,8 +66,8 @@ def pair_components(
 
     Why fp32 and padded: the kernels load these components once per head and (i, j) tile, so their
     loads need no bf16 conversions (one integer op per value on the GPU) and no masks (whose
-    zero-fill costs a register move per value); the array is 2 NMP / d_h of x in fp32, e.g.
-    LLaDA-8B: x's size, 32 MiB per head set at L = 4096."""
+    zero-fill costs a register move per value); the array is 2 NMP / d_h of x's elements in fp32
+    (LLaDA-8B: 32 MiB for its 32 heads at L = 4096)."""
     batch, heads, length, head_dim = x.shape
     out = x.new_zeros(batch, heads, padded_length, 2 * padded_pairs, dtype=torch.float32)
     num_pairs = head_dim // 2
@@ -102,8 +102,8 @@ class _PairBias(torch.autograd.Function):
             """Kernel ``kernel``'s constexprs (its own tile) and compile options."""
             return {**pair_constexprs(**shapes, kernel=kernel), **pair_kernel_options(config, kernel)}
 
-        padded = pair_padded_length(config, length)
-        padded_pairs = launch("pair_forward")["MC"] * launch("pair_forward")["NC"]
+        forward = launch("pair_forward")
+        padded, padded_pairs = pair_padded_length(config, length), forward["MC"] * forward["NC"]
         qpair = pair_components(q, pairs, padded, padded_pairs)
         kpair = pair_components(k, pairs, padded, padded_pairs)
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
@@ -112,7 +112,7 @@ class _PairBias(torch.autograd.Function):
         dims = (length, padded, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
         kern.pair_bias_fwd_kernel[grid](
             A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa,
-            **launch("pair_forward"),
+            **forward,
         )  # fmt: skip
         ctx.save_for_backward(qpair, kpair, A, D, w1, b1, w2, b2)
         ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), launch, config)

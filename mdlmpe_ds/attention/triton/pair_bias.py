@@ -96,19 +96,13 @@ def _pairs_across(head_ptr, pos, m, other, NMP: tl.constexpr, POS_FIRST: tl.cons
 
 
 @triton.jit
-def _ds_tile(dbias, b, head, rows, cols, num_heads, L, scale, ROWS_FIRST: tl.constexpr):
-    """dE = dBias[b, head, i, j] * scale (fp32): [BM, BN] if ROWS_FIRST, else [BN, BM]; 0 outside
-    L x L. Loaded 2-D and broadcast over the pairs by the caller: a load already broadcast would
-    be converted to the pair arithmetic's layout with every pair's copy (it is contiguous along
-    the keys, the pair components along the pairs)."""
-    base = ((b * num_heads + head) * L).to(tl.int64) * L
-    if ROWS_FIRST:
-        offs = rows[:, None] * L + cols[None, :]
-        mask = (rows < L)[:, None] & (cols < L)[None, :]
-    else:
-        offs = cols[:, None] + rows[None, :] * L
-        mask = (cols < L)[:, None] & (rows < L)[None, :]
-    return tl.load(dbias + base + offs, mask=mask, other=0.0).to(tl.float32) * scale
+def _ds_tile(dbias, b, head, rows, cols, num_heads, L, scale):
+    """dE = dBias[b, head, i, j] * scale (fp32) [BM, BN]; 0 outside L x L (64-bit row offsets).
+    Loaded 2-D and broadcast over the pairs by the caller: a load already broadcast would be
+    converted to the pair arithmetic's layout with every pair's copy (it is contiguous along the
+    keys, the pair components along the pairs)."""
+    ptrs, mask = _plane(dbias, b, head, rows, cols, num_heads, L, rows < L, cols < L)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale
 
 
 @triton.jit
@@ -291,12 +285,12 @@ def pair_bias_bwd_q_kernel(
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
         #    (1 + alpha) S, summed over the heads, per chunk.
-        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
+        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
         for h in range(HQ):
             # dBias streams from HBM: the next head's tile is requested before this head's
             # arithmetic, so its latency overlaps it (the last head reloads itself).
             ds = ds_next[:, :, None]  # [BM, BN, 1]
-            ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
+            ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale)
             q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
             k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
             dq_rows = dq_part + (h * LP + rows).to(tl.int64)[:, None] * (2 * NMP)  # this program's rows
@@ -401,7 +395,7 @@ def pair_bias_bwd_k_kernel(
             _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
             alphas = alphas + (al,)  # noqa: RUF005
             betas = betas + (be,)  # noqa: RUF005
-        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale, True)
+        ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
             acc1 = ()
@@ -414,7 +408,7 @@ def pair_bias_bwd_k_kernel(
                 # The next query head's dBias tile requested first (prefetch, as the query side);
                 # each head's tile is loaded once for all pair chunks.
                 ds = ds_next[:, :, None]  # [BM, BN, 1]
-                ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale, True)
+                ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale)
                 q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
                 new1 = ()
                 new2 = ()
