@@ -130,6 +130,27 @@ def _plane(ptr, b, head, rows, cols, num_heads, L, row_ok, col_ok):
 
 
 @triton.jit
+def _tile_phases(
+    a_i, d_i, a_j, d_j, f_ok, w1t, b1v, w2, b2, clip_kappa, tau_max, HID, NM,
+    BM: tl.constexpr, BN: tl.constexpr, FP: tl.constexpr, HP: tl.constexpr, MC: tl.constexpr,
+    NC: tl.constexpr, PREC: tl.constexpr, POLY: tl.constexpr,
+):  # fmt: skip
+    """The phase MLP once for a (row tile, key tile) and all heads: per chunk of MC pairs, t =
+    tanh(W2 hid + b2) [BM*BN, MC] and alpha, beta [BM, BN, MC] (tuples of NC). The hidden layer
+    is not returned: a caller that needs it again recomputes it rather than keep it live."""
+    _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
+    ts = ()
+    alphas = ()
+    betas = ()
+    for c in tl.static_range(NC):
+        t, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
+        ts = ts + (t,)  # noqa: RUF005
+        alphas = alphas + (al,)  # noqa: RUF005
+        betas = betas + (be,)  # noqa: RUF005
+    return ts, alphas, betas
+
+
+@triton.jit
 def _tile_features(a_ptr, d_ptr, b, pos, f, L, F, f_ok):
     """A, D rows [R, FP] of positions ``pos`` (A = 0, D = 1 past L: a finite ratio)."""
     ok = pos < L
@@ -184,13 +205,10 @@ def pair_bias_fwd_kernel(
     a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
     w1t, b1v = _load_w1(w1, b1, F, HID, FP, HP)
     # 1. The phase MLP once for all heads: alpha, beta [BM, BN, MC] per chunk of pairs, kept.
-    _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
-    alphas = ()
-    betas = ()
-    for c in tl.static_range(NC):
-        _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-        alphas = alphas + (al,)  # noqa: RUF005
-        betas = betas + (be,)  # noqa: RUF005
+    _, alphas, betas = _tile_phases(
+        a_i, d_i, a_j, d_j, f_ok, w1t, b1v, w2, b2, clip_kappa, tau_max, HID, NM,
+        BM, BN, FP, HP, MC, NC, PREC, POLY,
+    )  # fmt: skip
     key_bias = tl.load(kbias + b * L + cols, mask=col_ok, other=0.0)  # [BN]
     # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32 (summed over the pairs once per
     #    head); the bias in the model dtype.
@@ -271,16 +289,12 @@ def pair_bias_bwd_q_kernel(
         a_j, d_j = _tile_features(a_ptr, d_ptr, b, cols, f, L, F, f_ok)
         # 1. alpha, beta and t = tanh(.) of every pair chunk, kept through the head loop; the
         #    hidden layer is not (it is recomputed for the MLP's backward below).
-        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
-        ts = ()
-        alphas = ()
-        betas = ()
+        ts, alphas, betas = _tile_phases(
+            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, w2, b2, clip_kappa, tau_max, HID, NM,
+            BM, BN, FP, HP, MC, NC, PREC, POLY,
+        )  # fmt: skip
         dds = ()
-        for c in tl.static_range(NC):
-            t, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            ts = ts + (t,)  # noqa: RUF005
-            alphas = alphas + (al,)  # noqa: RUF005
-            betas = betas + (be,)  # noqa: RUF005
+        for _chunk in tl.static_range(NC):
             dds = dds + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
@@ -388,13 +402,10 @@ def pair_bias_bwd_k_kernel(
     for start in range(row_start, row_end, BM):
         rows = start + tl.arange(0, BM)
         a_i, d_i = _tile_features(a_ptr, d_ptr, b, rows, f, L, F, f_ok)
-        _, _, _, hid = _phase_hidden(a_i, d_i, a_j, d_j, f_ok, w1t, b1v, clip_kappa, BM, BN, FP, PREC)
-        alphas = ()
-        betas = ()
-        for c in tl.static_range(NC):
-            _, al, be, _ = _phase_chunk(hid, w2, b2, c, HID, NM, tau_max, BM, BN, HP, MC, PREC, POLY)
-            alphas = alphas + (al,)  # noqa: RUF005
-            betas = betas + (be,)  # noqa: RUF005
+        _, alphas, betas = _tile_phases(
+            a_i, d_i, a_j, d_j, f_ok, w1t, b1v, w2, b2, clip_kappa, tau_max, HID, NM,
+            BM, BN, FP, HP, MC, NC, PREC, POLY,
+        )  # fmt: skip
         ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
