@@ -78,12 +78,20 @@ def main_loop(instrs: list[tuple[int, str, str]], trips: int = 1) -> list[tuple[
     return body
 
 
+def _innermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The loop spans with no other loop inside them."""
+    return [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+
+
+def is_barrier(op: str) -> bool:
+    """A block-wide barrier (BAR.SYNC): a wait on the CTA's slowest warp."""
+    return op.startswith("BAR.SYNC") or op == "BAR"
+
+
 def innermost_loops(instrs: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
     """The bodies of the loops that contain no other loop, in address order: the per-head loops of
-    the pair-bias kernels (one per pair chunk, the chunk loop being unrolled)."""
-    spans = _backward_branches(instrs)
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    return [[i for i in instrs if a <= i[0] <= b] for a, b in sorted(inner)]
+    the pair-bias kernels (one per kernel, the pair-chunk loop unrolled inside it)."""
+    return [[i for i in instrs if a <= i[0] <= b] for a, b in sorted(_innermost(_backward_branches(instrs)))]
 
 
 def executed_per_pass(instrs: list[tuple[int, str, str]], trips: int) -> int:
@@ -91,7 +99,7 @@ def executed_per_pass(instrs: list[tuple[int, str, str]], trips: int) -> int:
     pair kernel; the whole program if the kernel has no such loop, as the pair forward), with every
     innermost loop inside it (the per-head loops) run ``trips`` times."""
     spans = _backward_branches(instrs)
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    inner = _innermost(spans)
     outer = [s for s in spans if s not in inner]
     if outer:
         start, end = max(outer, key=lambda s: s[1] - s[0])
@@ -108,7 +116,7 @@ def body_summary(body: list[tuple[int, str, str]]) -> dict[str, int]:
     return {
         "instructions": len(ops),
         "fp32": sum(classify(op) == "fp32" for op in ops),
-        "barriers": sum(op.startswith("BAR.SYNC") or op == "BAR" for op in ops),
+        "barriers": sum(map(is_barrier, ops)),
         "shared": sum(op.startswith(("LDS", "STS")) for op in ops),
         "shuffles": sum(op.startswith("SHFL") for op in ops),
         "global_loads": sum(op.startswith("LDG") for op in ops),
@@ -172,7 +180,7 @@ def loop_counts(sass_text: str, trips: int = 1) -> LoopCounts:
             out.lsu_bytes += access_bytes(op)
             if cls == "spill":
                 out.spill_bytes += access_bytes(op)
-        if op.startswith("BAR.SYNC") or op == "BAR":
+        if is_barrier(op):
             out.barriers += 1
     start, end = _backward_branches(instrs)[0]
     out.outside = sum(1 for a, _, _ in instrs if not start <= a <= end)

@@ -14,6 +14,7 @@ import dataclasses
 from mdlmpe_ds.attention import planned_backend
 from mdlmpe_ds.attention.blocked import eager_block_rows
 from mdlmpe_ds.attention.impl import AttentionImpl
+from mdlmpe_ds.attention.triton.launch import PairLaunchConfig, pair_chunking
 from mdlmpe_ds.attention.triton.plan import pair_buffer_bytes
 from mdlmpe_ds.models.config import ModelConfig
 from mdlmpe_ds.models.recompute import Recompute
@@ -38,8 +39,9 @@ def _bytes_per_token_attention_kept(cfg: ModelConfig, impl: AttentionImpl, p: in
     if impl.backend == "triton":
         return stats  # and q, k, v, out (already counted)
     if impl.backend == "triton-pair":  # SDPA's log-sum-exp, K, V repeated (GQA), the pair copies of q, k
-        # (fp32, the pairs padded to the kernels' chunks of 16: pair_backend.pair_components)
-        pairs = -(-len(range(1, cfg.head_dim // 2, 2)) // 16) * 16
+        # (fp32, the pairs padded to whole chunks as on a GPU: pair_backend.pair_components)
+        mc, nc = pair_chunking(len(range(1, cfg.head_dim // 2, 2)), PairLaunchConfig().pair_chunk, False)
+        pairs = mc * nc
         repeated = 2 * p * hq if cfg.num_kv_heads != cfg.num_heads else 0
         return FP32 * cfg.num_heads + repeated + 2 * pairs * FP32 * (cfg.num_heads + cfg.num_kv_heads)
     # blocked: fp32 copies of q, k, v (the pair path runs in fp32; the same tensors as q, k, v when

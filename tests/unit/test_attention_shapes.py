@@ -120,12 +120,13 @@ FAST = [
 ]
 
 
-#: Pair chunks per launch of ``case`` (the phase kernels' NC): |M| = d_h / 4 in chunks of 2 at
-#: 'tile=N', of 16 on a GPU, whole in the interpreter otherwise (the cases have at most 16 pairs).
 def pair_chunks(case: Case) -> int:
-    pairs = case.head_dim // 4
-    chunk = 2 if case.launch.startswith("tile=") else pairs
-    return -(-pairs // chunk)
+    """Pair chunks (the kernels' NC) ``case`` runs in the interpreter: |M| = d_h / 4 pairs in
+    chunks of 2 at 'tile=N' (``_launch_kwargs``), of the launcher's 16 otherwise."""
+    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig, pair_chunking
+
+    chunk = 2 if case.launch.startswith("tile=") else PairLaunchConfig().pair_chunk
+    return pair_chunking(case.head_dim // 4, chunk, interpreting=True)[1]
 
 
 #: The lengths every sweep includes (the issue's list: around the span, the tiles and 2^k).

@@ -104,6 +104,12 @@ def test_bf16_export_gives_an_all_padding_sequence_what_training_gives(
         want = ours(ids, valid)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    # The export runs without mdlmpe_ds, so it keeps its own copy of the padding rule: the same.
+    from mdlmpe_ds.attention.common import masked_key_bias
+    from mdlmpe_ds.hub.modeling_mdlmpe import _masked_key_value
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert _masked_key_value(dtype) == masked_key_bias(dtype), dtype
 
 
 def test_dream_export_under_the_official_generation_convention(tmp_path, qwen_tokenizer_dir):

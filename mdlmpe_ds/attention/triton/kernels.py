@@ -314,6 +314,12 @@ def _phase_hidden(
 
 
 @triton.jit
+def _w2_rows(w2, m, h, HID, NM):
+    """Rows ``m`` [MC] of W2 [NM, HID] over hidden units ``h`` [HP], fp32 [MC, HP]; 0 past NM, HID."""
+    return tl.load(w2 + m[:, None] * HID + h[None, :], mask=(m[:, None] < NM) & (h[None, :] < HID), other=0.0)
+
+
+@triton.jit
 def _phase_chunk(
     hid,
     w2,
@@ -333,8 +339,7 @@ def _phase_chunk(
     and the W2 rows of the chunk [MC, HP] (for the backward). POLY: |tau_max| <= POLY_TAU_MAX, the
     polynomial sin/cos; else libdevice's."""
     m = c * MC + tl.arange(0, MC)
-    h = tl.arange(0, HP)
-    w2c = tl.load(w2 + m[:, None] * HID + h[None, :], mask=(m[:, None] < NM) & (h[None, :] < HID), other=0.0)
+    w2c = _w2_rows(w2, m, tl.arange(0, HP), HID, NM)
     b2c = tl.load(b2 + m, mask=m < NM, other=0.0)
     out = tl.dot(hid, tl.trans(w2c), input_precision=PREC) + b2c[None, :]
     t = 1.0 - tl.fdiv(tl.full(out.shape, 2.0, tl.float32), tl.exp(2.0 * out) + 1.0)  # tanh, saturates at +-1

@@ -142,6 +142,15 @@ def pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+def pair_chunking(num_mdlmpe: int, pair_chunk: int, interpreting: bool) -> tuple[int, int]:
+    """(MC, NC): MDLMPE pairs per chunk of the phase MLP's output layer and the number of chunks,
+    for every kernel that chunks the pairs (phase, pair-bias). MC is a power of 2, at least 16 on
+    a GPU (a tile product) and at most ``pair_chunk``; MC x NC pairs are computed, the ones past
+    |M| with zero weights (the pair-bias kernels' padded pair arrays are MC x NC wide)."""
+    mc = min(pow2(num_mdlmpe, 1 if interpreting else 16), pair_chunk)
+    return mc, math.ceil(num_mdlmpe / mc)
+
+
 def heads_per_program(num_heads: int, cap: int) -> int:
     """Largest power-of-2 divisor of ``num_heads`` not above ``cap``."""
     g = 1
@@ -170,13 +179,13 @@ def kernel_constexprs(
     POLY: alpha, beta by polynomials (|tau_max| within their checked range, kernels.POLY_TAU_MAX).
     """
     floor = 1 if interpreting else 16
-    mc = min(pow2(num_mdlmpe, floor), config.pair_chunk)
+    mc, nc = pair_chunking(num_mdlmpe, config.pair_chunk, interpreting)
     prec = "ieee" if dtype == torch.float32 else "tf32"
     phase = dict(
         FP=pow2(head_dim // 2, floor),
         HP=pow2(hidden, floor),
         MC=mc,
-        NC=math.ceil(num_mdlmpe / mc),
+        NC=nc,
         BM=config.phase_tile,
         BN=config.phase_tile,
         PREC=prec,
@@ -331,13 +340,13 @@ def pair_constexprs(
     (``kernel_constexprs``), the kernel's own tile (``pair_kernel_settings``), and REP = Hq / Hkv."""
     tile = pair_kernel_settings(config, kernel)
     floor = 1 if interpreting else 16
-    mc = min(pow2(num_mdlmpe, floor), config.pair_chunk)
+    mc, nc = pair_chunking(num_mdlmpe, config.pair_chunk, interpreting)
     return dict(
         REP=num_heads // num_kv,
         FP=pow2(head_dim // 2, floor),
         HP=pow2(hidden, floor),
         MC=mc,
-        NC=math.ceil(num_mdlmpe / mc),
+        NC=nc,
         BM=tile.tile_m,
         BN=tile.tile_n,
         PREC="ieee" if dtype == torch.float32 else "tf32",

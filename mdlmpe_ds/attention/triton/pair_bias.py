@@ -72,7 +72,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mdlmpe_ds.attention.triton.kernels import _load_rows, _load_w1, _phase_chunk, _phase_hidden
+from mdlmpe_ds.attention.triton.kernels import _load_rows, _load_w1, _phase_chunk, _phase_hidden, _w2_rows
 
 
 @triton.jit
@@ -148,6 +148,15 @@ def _tile_phases(
         alphas = alphas + (al,)  # noqa: RUF005
         betas = betas + (be,)  # noqa: RUF005
     return ts, alphas, betas
+
+
+@triton.jit
+def _chunk_zeros(BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr):
+    """NC fp32 zero tiles [BM, BN, MC]: one accumulator per pair chunk, a tuple."""
+    zeros = ()
+    for _chunk in tl.static_range(NC):
+        zeros = zeros + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+    return zeros
 
 
 @triton.jit
@@ -293,9 +302,7 @@ def pair_bias_bwd_q_kernel(
             a_i, d_i, a_j, d_j, f_ok, w1t, b1v, w2, b2, clip_kappa, tau_max, HID, NM,
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
-        dds = ()
-        for _chunk in tl.static_range(NC):
-            dds = dds + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+        dds = _chunk_zeros(BM, BN, MC, NC)
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
         #    (1 + alpha) S, summed over the heads, per chunk.
@@ -332,7 +339,7 @@ def pair_bias_bwd_q_kernel(
             m = c * MC + mm
             m_ok = m < NM
             w_mask = m_ok[:, None] & (hh[None, :] < HID)
-            w2c = tl.load(w2 + m[:, None] * HID + hh[None, :], mask=w_mask, other=0.0)  # [MC, HP]
+            w2c = _w2_rows(w2, m, hh, HID, NM)  # [MC, HP]
             d_out = tl.reshape(dds[c], (BM * BN, MC)) * tau_max * (1.0 - ts[c] * ts[c])  # [BM*BN, MC]
             dw2_c = tl.dot(tl.trans(d_out), hid, input_precision=PREC)  # [MC, HP]
             w2_slot = dw2 + slot * NM * HID + m[:, None] * HID + hh[None, :]
@@ -383,9 +390,10 @@ def pair_bias_bwd_k_kernel(
     fewer): the key pair gradient of every KV head, P^T z_q summed over those rows and the REP
     query heads that read it, added to this program's keys in the split's partial dkpair.
 
-    The tiles are keys first ([BN, BM, MC]: alpha, beta from the MLP with the keys as its row
-    operand, the same values: the pair ratio's sums commute exactly), so the sum over the rows
-    stays inside a warp (shuffles, no shared memory or barrier)."""
+    alpha, beta come from the MLP with the forward's operand order (rows first): the forward's
+    bit-identical values. The tiles are rows first too, and their rows lie across the warps, so
+    each KV head's sum over the rows goes through shared memory (keys first was tried: Triton
+    then split the warps over both axes, with more barriers)."""
     NMP: tl.constexpr = NC * MC
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -409,11 +417,8 @@ def pair_bias_bwd_k_kernel(
         ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
-            acc1 = ()
-            acc2 = ()
-            for _chunk in tl.static_range(NC):
-                acc1 = acc1 + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
-                acc2 = acc2 + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+            acc1 = _chunk_zeros(BM, BN, MC, NC)
+            acc2 = _chunk_zeros(BM, BN, MC, NC)
             for r in range(REP):
                 h = kv * REP + r
                 # The next query head's dBias tile requested first (prefetch, as the query side);
