@@ -37,6 +37,7 @@ from gpu_cost.step import LLADA, NUM_MDLMPE
 from mdlmpe_ds.attention.triton.launch import (
     PAIR_KERNELS,
     pair_backward_splits,
+    pair_chunking,
     pair_kernel_settings,
     pair_launch_config,
 )
@@ -128,7 +129,7 @@ def launch_splits(length: int, sms: int) -> dict[str, int]:
         batch=1,
         num_heads=LLADA["heads"],
         num_kv=LLADA["kv_heads"],
-        num_pairs=NUM_MDLMPE,
+        padded_pairs=math.prod(pair_chunking(NUM_MDLMPE, CONFIG.pair_chunk, interpreting=False)),
         bias_itemsize=2,
         sms=sms,
     )

@@ -141,7 +141,14 @@ def test_split_cases_reach_a_ragged_last_split_and_one_split():
     for case in SPLIT_CASES[:2]:  # the third: two pair chunks under 2 + 2 splits
         config = _launch(case)
         splits = pair_backward_splits(
-            config, length=case.length, batch=2, num_heads=4, num_kv=2, num_pairs=2, bias_itemsize=4, sms=132
+            config,
+            length=case.length,
+            batch=2,
+            num_heads=4,
+            num_kv=2,
+            padded_pairs=2,
+            bias_itemsize=4,
+            sms=132,
         )
         tiles = math.ceil(case.length / config.tile_m)
         assert tiles == math.ceil(case.length / config.tile_n) == 7 and case.length % config.tile_m
@@ -158,6 +165,7 @@ def test_backward_splits_fill_the_gpu_within_the_slot_bound():
         PAIR_SLOT_FRACTION,
         PairLaunchConfig,
         pair_backward_splits,
+        pair_padded_length,
         split_loop,
     )
 
@@ -165,7 +173,7 @@ def test_backward_splits_fill_the_gpu_within_the_slot_bound():
     got = {}
     for length in (1024, 2048, 4096, 8192):
         for batch in (1, 4):
-            shape = dict(length=length, batch=batch, num_heads=32, num_kv=32, num_pairs=32)
+            shape = dict(length=length, batch=batch, num_heads=32, num_kv=32, padded_pairs=32)
             splits = pair_backward_splits(config, **shape, bias_itemsize=2, sms=132)
             bias_bytes = batch * 2 * 32 * length**2 * 2
             # (programs' tile, loop's tile): the query side's 16 x 8, the key side's 32 x 8
@@ -180,6 +188,19 @@ def test_backward_splits_fill_the_gpu_within_the_slot_bound():
             got[length, batch] = (splits["q"][0], splits["k"][0])
     assert got[1024, 1] == (2, 2) and got[2048, 1] == (4, 3) and got[4096, 1] == (3, 2)  # docstring
     assert got[8192, 1] == (2, 1) and got[4096, 4] == (1, 1)
+    # A d_h 32 model on a GPU: 8 pairs padded to 16 (``pair_components``), at a ragged length
+    # (LP = 1024 rows for L = 1000). The bound holds for the partials' real size; counted at 8 pairs
+    # and L rows, the rule gave 8 query-side splits here, twice the bound's bytes.
+    for length in (1000, 1024, 2000):
+        small = dict(length=length, batch=1, num_heads=8, num_kv=8, padded_pairs=16)
+        splits = pair_backward_splits(config, **small, bias_itemsize=2, sms=132)
+        padded = pair_padded_length(config, length)
+        assert padded % 32 == 0 and padded - 32 < length <= padded
+        for side in ("q", "k"):
+            partial_bytes = splits[side][0] * 8 * padded * 2 * 16 * 4
+            assert partial_bytes <= PAIR_SLOT_FRACTION * 2 * 8 * length**2 * 2, (length, side)
+        got[length, "d_h 32"] = splits["q"][0]
+    assert got[1024, "d_h 32"] == 4 and got[1000, "d_h 32"] == 3
     forced = PairLaunchConfig(key_splits=5, row_splits=2000)
     splits = pair_backward_splits(forced, **shape, bias_itemsize=2, sms=132)
     assert splits == {"q": split_loop(1024, 5), "k": (256, 1)} and split_loop(1024, 5) == (5, 205)

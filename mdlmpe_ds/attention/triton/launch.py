@@ -384,7 +384,7 @@ def pair_backward_splits(
     batch: int,
     num_heads: int,
     num_kv: int,
-    num_pairs: int,
+    padded_pairs: int,
     bias_itemsize: int,
     sms: int,
 ) -> dict[str, tuple[int, int]]:
@@ -398,9 +398,11 @@ def pair_backward_splits(
     leaves SMs idle at its end. Rule: the smallest split count giving ``PAIR_WAVES`` waves
     (programs >= 4 x SMs, so the grid is cut into programs short enough that the last wave is a
     small part of the time, and as many CTAs as fit beside one another on an SM have work),
-    capped so that each kernel's fp32 partial pair gradients, splits x B x H x L x 2 |M| x 4 bytes
-    (H = Hq for the query side, Hkv for the key side), stay within ``PAIR_SLOT_FRACTION`` of the
-    bias and its gradient (B x 2 Hq L^2 x itemsize bytes). For LLaDA-8B (Hq = Hkv = 32,
+    capped so that each kernel's fp32 partial pair gradients, splits x B x H x LP x 2 NMP x 4 bytes
+    (H = Hq for the query side, Hkv for the key side; LP = ``pair_padded_length`` rows and
+    NMP = ``padded_pairs`` pairs, the size ``pair_components`` gives them: a d_h 32 model's 8 pairs
+    are 16 on a GPU), stay within ``PAIR_SLOT_FRACTION`` of the bias and its gradient
+    (B x 2 Hq L^2 x itemsize bytes). For LLaDA-8B (Hq = Hkv = 32,
     |M| = 32, bf16) one split's slots are 64 / L of the bias memory, so at most L / 512 splits:
     at the sm_90 settings L = 1024 gets 2 / 2 (query / key side), 2048 gets 4 / 3, 4096 gets
     3 / 2 (query side: 96 MiB of slots, 2 GiB of bias and gradient). The partials are summed in
@@ -422,7 +424,7 @@ def pair_backward_splits(
     ):
         splits = forced
         if splits <= 0:
-            slot_bytes = batch * heads * length * 2 * num_pairs * 4
+            slot_bytes = batch * heads * pair_padded_length(c, length) * 2 * padded_pairs * 4
             splits = -(-PAIR_WAVES * sms // (programs * batch))
             splits = min(splits, max(1, int(PAIR_SLOT_FRACTION * bias_bytes // slot_bytes)))
         out[side] = split_loop(loop, splits)

@@ -132,7 +132,7 @@ class _PairBias(torch.autograd.Function):
             batch=batch,
             num_heads=q_shape[1],
             num_kv=k_shape[1],
-            num_pairs=len(pairs),
+            padded_pairs=qpair.shape[-1] // 2,
             bias_itemsize=dbias.element_size(),
             sms=sm_count(dbias.device),
         )
