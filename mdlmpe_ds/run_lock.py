@@ -122,6 +122,18 @@ def _heartbeat(lock: Path, stop: threading.Event) -> None:
             return
 
 
+def read(output_dir: str | Path) -> str | None:
+    """The lock's text as this process sees it in ``output_dir`` (None: no lock there). The
+    directory is listed first: on NFS a listing refreshes the client's cached view of it, so a file
+    another node has just created is found."""
+    out = Path(output_dir)
+    try:
+        os.listdir(out)
+        return (out / LOCK).read_text()
+    except OSError:
+        return None
+
+
 def release() -> None:
     """Remove the lock this process holds (no-op when it holds none)."""
     global _held

@@ -9,6 +9,8 @@ import functools
 import logging
 import math
 import shutil
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,52 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
             (out / "metrics.jsonl").unlink(missing_ok=True)
             log.info(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
     process_group.barrier()
+    if not dry_run:
+        check_output_dir_shared(t.output_dir)
+
+
+#: Seconds a rank keeps looking for the run lock rank 0 wrote before calling output_dir unshared
+#: (a network filesystem may show another node's new file a moment late).
+SHARED_DIR_WAIT_S = 10.0
+
+
+def check_output_dir_shared(output_dir: str | Path, wait_s: float = SHARED_DIR_WAIT_S) -> None:
+    """Raise on every rank unless every rank sees, in ``output_dir``, the run lock rank 0 has just
+    written there (run_lock.py). Collective; before any data, model or engine work.
+
+    Why: a multi-node run whose output_dir is a node-local disk (the same path on each node, a
+    different directory) would otherwise train to the end and lose every checkpoint. Each rank
+    writes its own ZeRO-3 shards into step_N.saving on its own disk, rank 0 commits the step on
+    its node only, and the other nodes' shards stay in step_N.saving, which the next start
+    deletes as the debris of an interrupted save; no checkpoint can be resumed. Nothing here
+    supports node-local checkpoints, so the run stops before it trains, naming the ranks and hosts
+    that do not see rank 0's directory."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank = process_group.rank()
+    host = socket.gethostname()
+    views = collectives.all_gather_object(
+        (host, run_lock.read(output_dir) if rank == 0 else None), setup=True
+    )
+    written = views[0][1]
+    seen = run_lock.read(output_dir)
+    deadline = time.monotonic() + wait_s
+    while seen != written and time.monotonic() < deadline:
+        time.sleep(0.5)
+        seen = run_lock.read(output_dir)
+    outcomes = collectives.all_gather_object((host, seen == written), setup=True)
+    blind = [(r, h) for r, (h, ok) in enumerate(outcomes) if not ok]
+    if blind:
+        lock = Path(output_dir) / run_lock.LOCK
+        who = ", ".join(f"rank {r} on {h}" for r, h in blind)
+        raise RuntimeError(
+            f"--output_dir {output_dir} is not one directory for every rank: {who} "
+            f"{'does' if len(blind) == 1 else 'do'} not see "
+            f"the run lock {lock} that rank 0 on {views[0][0]} wrote there (waited {wait_s:g} s). "
+            "A multi-node run must write to a filesystem every node mounts at the same path (NFS, "
+            "Lustre, ...): each rank writes its own ZeRO-3 shards of every checkpoint and rank 0 "
+            "commits them, so on node-local disks no checkpoint could be resumed. Nothing was trained"
+        )
 
 
 def prepare_resume(

@@ -7,7 +7,8 @@ this CPU machine (module doc there); real SFT and pretraining runs (2 ranks, rea
 must then pass, with every host collective of ours on a gloo group. ``setup_worker.py`` checks
 ``rank_zero_first``: each node's local rank 0 builds first, the others wait on
 ``train.setup_timeout_min`` rather than the (here 3 s) collective timeout.
-Cost: 5 two-rank launches, ~2.5 min on 2 shared cores.
+A run started as two nodes from two folders (node-local output_dirs) must stop before it trains.
+Cost: 6 two-rank launches, ~2.5 min on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from sft_fixtures import make_chat, make_tokenizer
-from sft_runs import BASE_ARGS, DS_CONFIG, REPO, check, env, free_port, launch, metrics
+from sft_runs import BASE_ARGS, DS_CONFIG, REPO, SFT, check, env, free_port, launch, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -80,7 +81,9 @@ def test_pretrain_under_nccl_device_rule(assets, tmp_path):
     calls = checked_calls(log)
     for rank in ("0", "1"):
         assert calls[(rank, "all_reduce", "mdlmpe_ds.distributed.collectives")] >= 2
-        assert calls[(rank, "all_gather", "mdlmpe_ds.distributed.collectives")] >= 1  # the token-stream fingerprint
+        assert (
+            calls[(rank, "all_gather", "mdlmpe_ds.distributed.collectives")] >= 1
+        )  # the token-stream fingerprint
     # Training and validation windows of the same corpus: one token store, built once, complete.
     assert len(list((out / "data_cache").glob("store-*/COMPLETE"))) == 1
 
@@ -126,3 +129,40 @@ def test_a_rank_that_fails_during_setup_is_not_called_a_timeout(tmp_path):
         proc.stderr[-3000:]
     )
     assert "within 2 min" not in proc.stderr
+
+
+def test_an_output_dir_on_node_local_disks_stops_the_run_before_it_trains(tmp_path):
+    """Two nodes (two torchrun agents, one rank each, static rendezvous) started in different
+    folders with the same relative --output_dir: each node's own disk at the same path. Without the
+    check the run trained and exited 0 while rank 1's shards of every checkpoint stayed in
+    step_N.saving on its disk, where the next start deletes them. Now both ranks stop before the
+    data and the engine, naming the rank that does not see rank 0's directory."""
+    data = [
+        "--tokenizer",
+        str(make_tokenizer(tmp_path / "tok")),
+        "--dataset",
+        str(make_chat(tmp_path / "c.jsonl")),
+    ]
+    port, procs = free_port(), []
+    for node in (0, 1):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir()
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(SFT), "--deepspeed", str(DS_CONFIG), *data, *BASE_ARGS,
+            "--max_steps", "2", "--save_every", "1", "--output_dir", "out",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=folder, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    logs = [proc.communicate(timeout=240)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] != [0, 0], logs[0][-3000:]
+    for log in logs:
+        assert "is not one directory for every rank: rank 1 on" in log, log[-3000:]
+        assert "does not see the run lock" in log and "Nothing was trained" in log
+    for node in (0, 1):
+        out = tmp_path / f"node{node}" / "out"
+        assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists(), node
