@@ -107,6 +107,36 @@ def launch(
     )
 
 
+def launch_as_two_nodes(
+    args: list[str], extra_env: dict[str, str] | None = None, folders: tuple[Path, Path] = (REPO, REPO)
+) -> list[subprocess.CompletedProcess]:
+    """launch/sft.py as two nodes of one rank each: two torchrun agents (static rendezvous on this
+    host), node ``n`` started in ``folders[n]``, so every rank is its node's first (LOCAL_RANK 0).
+    One folder for both: nodes sharing a filesystem; two: each node's own disk at the same relative
+    path. Returns each node's process (stdout and stderr together)."""
+    port, procs = free_port(), []
+    for node, folder in enumerate(folders):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(SFT), "--deepspeed", str(DS_CONFIG), *args,
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=folder,
+                env=env(extra_env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [proc.communicate(timeout=240)[0] for proc in procs]
+    return [
+        subprocess.CompletedProcess(proc.args, proc.returncode, out, "") for proc, out in zip(procs, outs)
+    ]
+
+
 def launch_and_kill_when(
     args: list[str],
     ready,

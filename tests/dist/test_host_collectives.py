@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from sft_fixtures import make_chat, make_tokenizer
-from sft_runs import BASE_ARGS, DS_CONFIG, REPO, SFT, check, env, free_port, launch, metrics
+from sft_runs import BASE_ARGS, DS_CONFIG, REPO, check, env, free_port, launch_as_two_nodes, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -43,6 +43,10 @@ def checked_calls(log: Path) -> collections.Counter:
 
 
 def test_sft_under_nccl_device_rule(tmp_path):
+    """Started as two nodes of one GPU each (shared filesystem): every rank is its node's first,
+    so both build the data cache at once into the one output_dir, and rank 0 commits a checkpoint
+    holding both nodes' shards. (Checked by hand: this run, stopped at 2 and resumed, gives the
+    losses and gradient norms of the same run on one node of 2 ranks bit for bit.)"""
     data = [
         "--tokenizer",
         str(make_tokenizer(tmp_path / "tok")),
@@ -51,8 +55,16 @@ def test_sft_under_nccl_device_rule(tmp_path):
     ]
     out, log = tmp_path / "out", tmp_path / "mimic.log"
     args = [*data, *BASE_ARGS, "--max_steps", "2", "--save_every", "2", "--output_dir", str(out)]
-    check(launch(args, mimic_env(log)), "2-rank SFT run under the NCCL device rule")
+    for node, proc in enumerate(launch_as_two_nodes(args, mimic_env(log))):
+        check(proc, f"SFT under the NCCL device rule, node {node} of 2")
     assert sorted(metrics(out)) == [1, 2]
+    step = out / "checkpoints" / "step_000002"
+    assert (step / "COMPLETE").is_file() and not list(step.parent.glob("*.saving"))
+    assert sorted(p.name for p in step.glob("trainer_state_rank*.pt")) == [
+        "trainer_state_rank0.pt",
+        "trainer_state_rank1.pt",
+    ]
+    assert len(list(step.rglob("zero_pp_rank_*_model_states.pt"))) == 2
     calls = checked_calls(log)
     for rank in ("0", "1"):
         assert calls[(rank, "all_reduce", "mdlmpe_ds.distributed.collectives")] >= 2  # one per update
@@ -132,37 +144,27 @@ def test_a_rank_that_fails_during_setup_is_not_called_a_timeout(tmp_path):
 
 
 def test_an_output_dir_on_node_local_disks_stops_the_run_before_it_trains(tmp_path):
-    """Two nodes (two torchrun agents, one rank each, static rendezvous) started in different
-    folders with the same relative --output_dir: each node's own disk at the same path. Without the
-    check the run trained and exited 0 while rank 1's shards of every checkpoint stayed in
-    step_N.saving on its disk, where the next start deletes them. Now both ranks stop before the
-    data and the engine, naming the rank that does not see rank 0's directory."""
+    """Two nodes of one rank each started in different folders with the same relative --output_dir:
+    each node's own disk at the same path. Without the check the run trained and exited 0 while
+    rank 1's shards of every checkpoint stayed in step_N.saving on its disk, where the next start
+    deletes them. Now both ranks stop before the data and the engine, naming the rank that does not
+    see rank 0's directory."""
     data = [
         "--tokenizer",
         str(make_tokenizer(tmp_path / "tok")),
         "--dataset",
         str(make_chat(tmp_path / "c.jsonl")),
     ]
-    port, procs = free_port(), []
-    for node in (0, 1):
-        folder = tmp_path / f"node{node}"
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
         folder.mkdir()
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-            str(SFT), "--deepspeed", str(DS_CONFIG), *data, *BASE_ARGS,
-            "--max_steps", "2", "--save_every", "1", "--output_dir", "out",
-        ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=folder, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
+    args = [*data, *BASE_ARGS, "--max_steps", "2", "--save_every", "1", "--output_dir", "out"]
+    procs = launch_as_two_nodes(args, folders=folders)
+    assert [proc.returncode for proc in procs] != [0, 0], procs[0].stdout[-3000:]
+    for proc in procs:
+        assert "is not one directory for every rank: rank 1 on" in proc.stdout, proc.stdout[-3000:]
+        assert "does not see the run lock" in proc.stdout and "Nothing was trained" in proc.stdout
+    for folder in folders:
+        assert (
+            not (folder / "out" / "checkpoints").exists() and not (folder / "out" / "metrics.jsonl").exists()
         )
-    logs = [proc.communicate(timeout=240)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] != [0, 0], logs[0][-3000:]
-    for log in logs:
-        assert "is not one directory for every rank: rank 1 on" in log, log[-3000:]
-        assert "does not see the run lock" in log and "Nothing was trained" in log
-    for node in (0, 1):
-        out = tmp_path / f"node{node}" / "out"
-        assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists(), node
