@@ -160,11 +160,47 @@ def dry_run_world_size() -> int:
     return ranks_to_relaunch(dry_run=False) or int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: Environment variables by which a launcher or scheduler says that it started this job again
+#: after a failure or a preemption: torchrun's elastic restarts (``--max-restarts``) and Slurm's
+#: requeue (``--requeue``, ``scontrol requeue``). Both re-run the command as first written.
+RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restarted_by() -> str | None:
+    """``NAME=N`` of the first of ``RESTART_ENV`` set above 0 in this process, else None."""
+    for name in RESTART_ENV:
+        value = os.environ.get(name, "0")
+        if value.isdigit() and int(value) > 0:
+            return f"{name}={value}"
+    return None
+
+
+def resume_on_restart(resume: str | None) -> tuple[str | None, str | None]:
+    """(the --resume a run uses, the line that says why, or None). A job its launcher or scheduler
+    started again (``restarted_by``) without --resume continues as ``--resume auto``: the newest
+    complete checkpoint, or a new run where none was saved yet.
+
+    Why: a requeued or restarted job re-runs the command as first written. Without --resume that
+    command refuses an output_dir holding checkpoints, so the restart fails; with
+    --overwrite_output_dir true (as ``make demo`` passes) it deletes the checkpoints and the
+    history the preempted run saved and trains from the start. --overwrite_output_dir is for a
+    first start only; an explicit --resume is kept."""
+    restart = restarted_by()
+    if resume is not None or restart is None:
+        return resume, None
+    return "auto", (
+        f"{restart}: the job was started again, so it continues as --resume auto (the newest complete "
+        "checkpoint in output_dir, or a new run if none was saved); --overwrite_output_dir applies to "
+        "a first start only"
+    )
+
+
 def run_job(job, run, args, report) -> int:
     """The launchers' shared body: a dry run (meta device, no process group), or ``job`` inside a
     distributed session with ``report(summary)`` on rank 0. Exit code 3 when the run stopped on
     too many non-finite updates (the message names the last good checkpoint); 128 + the signal
-    number when a SIGTERM/SIGINT or a lost launcher stopped it after a checkpoint (lifecycle.py)."""
+    number when a SIGTERM/SIGINT or a lost launcher stopped it after a checkpoint (lifecycle.py).
+    A job its launcher or scheduler started again resumes by itself (``resume_on_restart``)."""
     from mdlmpe_ds import run_lock
     from mdlmpe_ds.distributed import engine, process_group
     from mdlmpe_ds.stop_request import StoppedDuringSetup
@@ -183,10 +219,13 @@ def run_job(job, run, args, report) -> int:
             else:
                 os.environ["WORLD_SIZE"] = saved
         return 0
+    resume, why = resume_on_restart(args.resume)
+    if why and os.environ.get("RANK", "0") == "0":
+        print(f"[rank 0] {why}", file=sys.stderr, flush=True)
     lifecycle.install(run.train.orphan_grace_s)
     with engine.distributed_session(run.train.dist_timeout_min, run.train.setup_timeout_min):
         try:
-            summary = job(run, args.deepspeed, resume=args.resume, allow_changes=args.allow_config_change)
+            summary = job(run, args.deepspeed, resume=resume, allow_changes=args.allow_config_change)
         except NonFiniteError as err:
             print(f"[rank {process_group.rank()}] stopping: {err}", file=sys.stderr, flush=True)
             return 3

@@ -7,7 +7,8 @@ command. Every history is compared with one straight run made in this test sessi
   resumed into), and a fresh run refused on an output_dir that holds checkpoints;
 - a truncated optimizer shard in the newest checkpoint (skipped by name, the older one used);
 - a same-size dataset swap on resume (refused);
-- SIGTERM to the job or to the top launcher only (checkpoint, non-zero exit, exact resume);
+- SIGTERM to the job or to the top launcher only (checkpoint, non-zero exit, exact resume; the
+  job's run requeued with its command as written, as a scheduler does);
 - kill -9 of the launcher's process group (no rank outlives it).
 """
 
@@ -156,9 +157,14 @@ def test_resume_on_a_same_size_dataset_swap_is_refused(sft_straight, sft_data, t
 def test_sigterm_saves_then_resume_equals_straight(sft_straight, sft_data, tmp_path, target):
     """SIGTERM to the job's launcher group (a preemption; the launchers pass it on to the ranks) or
     to the top `deepspeed` process alone (the ranks see their launcher gone): the ranks agree on one
-    last update, save it, and exit non-zero; `--resume auto` then repeats the straight run."""
+    last update, save it, and exit non-zero; the run then continues and repeats the straight run.
+    job: the scheduler requeues it, re-running the command as written, --overwrite_output_dir true
+    included (as `make demo` passes it), with SLURM_RESTART_COUNT=1: it resumes (before, it deleted
+    the saved checkpoints and history and trained from update 1). top_launcher: `--resume auto`."""
     out = tmp_path / target
     args = [*sft_data, *BASE_ARGS, "--output_dir", str(out)]
+    if target == "job":
+        args += ["--overwrite_output_dir", "true"]
     log = tmp_path / f"{target}.log"
     proc = start_as_user(args, log)
     try:
@@ -181,9 +187,14 @@ def test_sigterm_saves_then_resume_equals_straight(sft_straight, sft_data, tmp_p
     last = int(text.split("stopped after update ")[1].split()[0])
     assert 2 <= last < N and (out / "checkpoints" / f"step_{last:06d}" / "COMPLETE").is_file()
     assert max(metrics(out)) == last
-    resumed = launch([*args, "--resume", "auto"])
+    if target == "job":
+        resumed = launch(args, {"SLURM_RESTART_COUNT": "1"})
+        assert "SLURM_RESTART_COUNT=1: the job was started again, so it continues as --resume auto" in resumed.stderr
+        assert "removed the earlier run" not in resumed.stderr + resumed.stdout
+    else:
+        resumed = launch([*args, "--resume", "auto"])
     check(resumed, f"resume after SIGTERM to the {target}")
-    assert f"step_{last:06d}" in resumed.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{last:06d}'} (update {last}/{N})" in resumed.stdout
     same_history(sft_straight, out)
 
 

@@ -346,3 +346,26 @@ def test_ranks_holding_other_data_fail_fast_naming_it(tmp_path):
     out = proc.stdout  # the two ranks' lines may interleave
     assert out.count("same") == 2 and out.count("raised:") == 2, out
     assert out.count("the ranks built different SFT datasets (fingerprints ['") == 2, out
+
+
+def test_a_restarted_job_resumes_instead_of_refusing_or_overwriting(monkeypatch):
+    """torchrun's elastic restarts and Slurm's requeue re-run the command as written: without
+    --resume it continues as --resume auto (an explicit --resume is kept); a first start, a count of
+    0 or an unreadable value changes nothing."""
+    from mdlmpe_ds.runs.launching import RESTART_ENV, resume_on_restart
+
+    for name in RESTART_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert resume_on_restart(None) == (None, None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "x")
+    assert resume_on_restart(None) == (None, None)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    resume, why = resume_on_restart(None)
+    assert resume == "auto" and why.startswith("SLURM_RESTART_COUNT=2: the job was started again")
+    assert resume_on_restart("outputs/run/checkpoints/step_000004") == (
+        "outputs/run/checkpoints/step_000004",
+        None,
+    )
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_on_restart(None)[1].startswith("TORCHELASTIC_RESTART_COUNT=1:")
