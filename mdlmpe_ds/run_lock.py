@@ -7,7 +7,10 @@ pid, process start time and start date, and refreshes its mtime every ``HEARTBEA
 from a thread. A second run refuses, naming the holder. A lock is stale, and is taken over with a
 warning, when its process is gone from this host (pid dead, or reused by another process: its
 start time differs) or, from another host, when its heartbeat is older than ``STALE_AFTER_S``
-(a run killed with SIGKILL on another node). The lock is removed when the run ends.
+(a run killed with SIGKILL on another node), or when an earlier attempt of this same scheduler
+job wrote it (``job_attempt``: a requeued job). The lock is removed when the run ends. Every rank
+reads it back at start (``runs.common.check_output_dir_shared``): a multi-node output_dir must be
+one directory for all nodes.
 """
 
 from __future__ import annotations
@@ -61,8 +64,37 @@ def _holder(info: dict) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} (started {started})"
 
 
+#: (job id, restart count) variables of the schedulers whose restarts keep the job's identity:
+#: Slurm's requeue keeps SLURM_JOB_ID and counts SLURM_RESTART_COUNT; torchrun's elastic restarts
+#: keep TORCHELASTIC_RUN_ID (an explicit --rdzv-id; "none" is the static default, not an identity).
+_JOB_ENV = (("SLURM_JOB_ID", "SLURM_RESTART_COUNT"), ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))
+
+
+def job_attempt() -> dict:
+    """{"job": "NAME=ID", "attempt": restart count} of the scheduler job this process belongs to,
+    or {} outside one. Recorded in the lock: a restarted job recognises its own earlier attempt."""
+    for job_env, count_env in _JOB_ENV:
+        job = os.environ.get(job_env, "")
+        if job and job != "none":
+            count = os.environ.get(count_env, "0")
+            return {"job": f"{job_env}={job}", "attempt": int(count) if count.isdigit() else 0}
+    return {}
+
+
 def stale_reason(lock: Path, info: dict) -> str | None:
-    """Why the lock described by ``info`` is stale, or None while its run may be alive."""
+    """Why the lock described by ``info`` is stale, or None while its run may be alive.
+
+    Besides a dead pid on this host or a heartbeat older than STALE_AFTER_S elsewhere: a lock held
+    by an earlier attempt of this same scheduler job (``job_attempt``). A scheduler starts a job
+    again only after it has ended the earlier attempt, possibly on another node, and possibly
+    SIGKILLed (the lock left with a fresh heartbeat): without this rule the requeued job would be
+    refused for up to STALE_AFTER_S, and a requeue chain would stop there."""
+    mine = job_attempt()
+    if mine and info.get("job") == mine["job"] and int(info.get("attempt", 0)) < mine["attempt"]:
+        return (
+            f"{_holder(info)} was attempt {info.get('attempt', 0)} of this job ({mine['job']}), which "
+            f"ended before this attempt {mine['attempt']} started"
+        )
     if info.get("host") == socket.gethostname():
         if not _alive(int(info.get("pid", -1)), info.get("ticks")):
             return f"{_holder(info)} is no longer running"
@@ -85,6 +117,7 @@ def acquire(output_dir: str | Path, log=print) -> Path:
         "pid": os.getpid(),
         "ticks": _start_ticks(os.getpid()),
         "started": time.time(),
+        **job_attempt(),
     }
     for _ in range(3):
         try:

@@ -141,6 +141,41 @@ def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
     assert "has not refreshed it" in warnings[0]
 
 
+def test_a_requeued_job_takes_over_its_own_earlier_attempts_lock(tmp_path, monkeypatch):
+    """Slurm requeues keep SLURM_JOB_ID and count SLURM_RESTART_COUNT: a lock that attempt 0 of
+    this job left on another node with a fresh heartbeat (SIGKILLed there) is taken over by attempt
+    1; another job's, or the same attempt's, still refuses."""
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7001")
+    assert run_lock.job_attempt() == {"job": "SLURM_JOB_ID=7001", "attempt": 0}
+    run_lock.acquire(tmp_path)
+    recorded = json.loads((tmp_path / run_lock.LOCK).read_text())
+    run_lock.release()
+    assert recorded["job"] == "SLURM_JOB_ID=7001" and recorded["attempt"] == 0
+    lock = tmp_path / run_lock.LOCK
+    earlier = {
+        "host": "node-17",
+        "pid": 4242,
+        "started": time.time(),
+        "job": "SLURM_JOB_ID=7001",
+        "attempt": 0,
+    }
+    for job, attempt in (("SLURM_JOB_ID=7002", 0), ("SLURM_JOB_ID=7001", 1)):
+        lock.write_text(json.dumps({**earlier, "job": job, "attempt": attempt}))
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        with pytest.raises(run_lock.RunDirectoryInUse, match="pid 4242 on host node-17"):
+            run_lock.acquire(tmp_path)  # another job; or this job's own attempt 1, maybe alive
+    lock.write_text(json.dumps(earlier))
+    warnings = []
+    run_lock.acquire(tmp_path, log=warnings.append)
+    run_lock.release()
+    assert "was attempt 0 of this job (SLURM_JOB_ID=7001), which ended before this attempt 1" in warnings[0]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's static default: no identity
+    assert run_lock.job_attempt() == {}
+
+
 # ------------------------------------------------------------------------------------ full disk
 def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
     import torch
