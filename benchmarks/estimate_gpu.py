@@ -206,6 +206,8 @@ def print_measured() -> None:
     for length in measured.lengths(record):
         print(f"L = {length}, one LLaDA-8B layer, fwd + bwd, batch 1:")
         print(measured.kernel_table(record, length) + "\n")
+    print(f"What the targets ask of the pair arithmetic (its FP32 floor, the rest as measured) [{LABEL}]:")
+    print(measured.floor_table(record) + "\n")
     print("The RoPE side:")
     print(measured.rope_table(record) + "\n")
     print(f"The calibration kernel on the same H100 (Triton {record['calibration']['software']['triton']}):")

@@ -435,3 +435,101 @@ def rework_table(record: dict, length: int = 2048) -> str:
     got, estimate = rework_step_ratio(record, length)
     lines.append(f"| step ratio (assembled) | | | {got:.2f}× | {estimate:.2f}× |")
     return "\n".join(lines)
+
+
+#: The step-ratio targets of the cost issue (LLaDA-8B, all heads, bf16, micro-batch 1) and its
+#: moonshot, by length.
+TARGETS = {2048: (2.0, 1.6), 4096: (2.8, 2.0)}
+#: The pair arithmetic's FP32 operations per (head, i, j, pair) in one training step, the fewest
+#: today's formulas take (``designs.PAIR_FP32``): E in the forward (6) and once more (6: the
+#: checkpoint's recompute for triton-pair, the backward's recompute inside the fused kernels),
+#: the query side's dq and dE/d delta (13), the key side's dk (6).
+STEP_PAIR_FP32 = 2 * designs.PAIR_FP32["pair_bias"]["pair_forward"] + sum(
+    designs.PAIR_FP32["pair_bias"][k] for k in ("pair_backward_q", "pair_backward_k")
+)
+#: Per arrangement, what the attention costs beside the pair arithmetic (from the record, ms per
+#: layer and step): inside a flash kernel, what RoPE's flash attention costs once fwd + bwd (the
+#: fused kernels stay outside the checkpoint); beside SDPA with an additive bias, its measured
+#: forward twice (the checkpoint recomputes it) and backward once.
+FLOOR_ARRANGEMENTS = {
+    "fused (pair maths inside a flash kernel)": lambda ms, k: ms["rope_flash"],
+    "pair + SDPA bias (triton-pair)": lambda ms, k: (
+        2 * k["pair_bias"]["attn_bias_fwd (sdpa)"] + k["pair_bias"]["attn_bias_bwd (sdpa)"]
+    ),
+}
+
+
+def pair_fp32_floor_ms(length: int, sc: Scenario | None = None) -> float:
+    """The pair arithmetic of one LLaDA-8B layer and step (``STEP_PAIR_FP32`` per head, i, j and
+    pair) at the FP32 pipe's peak: every SM issuing an FP32 warp-instruction on every lane of every
+    clock, nothing else (loads, reductions, the phase MLP, address arithmetic) costing a cycle."""
+    sc = sc or Scenario("central")
+    ops = STEP_PAIR_FP32 * step.LLADA["heads"] * length**2 * step.NUM_MDLMPE
+    lanes_per_s = sc["sms"] * sc["fp32"] * 32 * sc.clock_hz
+    return 1e3 * ops / lanes_per_s
+
+
+def floor_rows(record: dict) -> list[dict]:
+    """Per target length and arrangement: the pair arithmetic's FP32 floor, the step ratio with the
+    pair kernels at that floor and everything else as measured (the RoPE step, the projections and
+    LM head, the attention of the arrangement), and the share of FP32 peak the pair arithmetic
+    must reach for the target and for the moonshot (over 1: not reachable in FP32); beside it,
+    the share today's kernels reach (the floor over their measured time; the fused kernels' time
+    less RoPE flash's, which their attention part is taken to cost)."""
+    n = step.LLADA["layers"]
+    rows = []
+    for length, (target, moonshot) in TARGETS.items():
+        row = record["benchmark"]["lengths"][str(length)]
+        ms, kernels = row["ms"], row["kernels_ms"]
+        linear = ms["linear_layer"] + ms["linear_layer_fwd"]
+        rope = n * (linear + ms["rope_flash"] + ms["rope_flash_fwd"]) + ms["lm_head"]
+        floor = pair_fp32_floor_ms(length)
+        today = {
+            "fused (pair maths inside a flash kernel)": sum(kernels["current"].values()) - ms["rope_flash"],
+            "pair + SDPA bias (triton-pair)": sum(
+                kernels["pair_bias"][k] * (2 if k == "pair_forward" else 1)
+                for k in ("pair_forward", "pair_backward_q", "pair_backward_k")
+            ),
+        }
+        for name, attention in FLOOR_ARRANGEMENTS.items():
+            other = linear + attention(ms, kernels)
+            # ms per layer the pair arithmetic may take for a step ratio: the FP32 share it needs
+            room = {ratio: (ratio * rope - ms["lm_head"]) / n - other for ratio in (target, moonshot)}
+            needed = {ratio: floor / left if left > 0 else float("inf") for ratio, left in room.items()}
+            rows.append(
+                dict(
+                    length=length,
+                    arrangement=name,
+                    floor_ms=floor,
+                    floor_ratio=(n * (other + floor) + ms["lm_head"]) / rope,
+                    target=target,
+                    moonshot=moonshot,
+                    target_share=needed[target],
+                    moonshot_share=needed[moonshot],
+                    today_ms=today[name],
+                    today_share=floor / today[name],
+                )
+            )
+    return rows
+
+
+def floor_table(record: dict) -> str:
+    """docs/gpu.md's table of ``floor_rows``."""
+    lines = [
+        "| L | arrangement | pair FP32 floor, ms per layer | step ratio at the floor | FP32 share "
+        "for the target | for the moonshot | the same at twice the FP32 rate (packed 16-bit): target "
+        "/ moonshot | today's pair kernels: ms, FP32 share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def share(x: float) -> str:
+        return f"{100 * x:.0f}%" if x <= 1 else f"{100 * x:.0f}%: not reachable"
+
+    for r in floor_rows(record):
+        lines.append(
+            f"| {r['length']} | {r['arrangement']} | {r['floor_ms']:.2f} | {r['floor_ratio']:.2f}× | "
+            f"{share(r['target_share'])} (≤ {r['target']}×) | {share(r['moonshot_share'])} "
+            f"(≤ {r['moonshot']}×) | {share(r['target_share'] / 2)} / {share(r['moonshot_share'] / 2)} | "
+            f"{r['today_ms']:.1f} ms, {100 * r['today_share']:.0f}% |"
+        )
+    return "\n".join(lines)

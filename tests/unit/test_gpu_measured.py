@@ -38,6 +38,7 @@ def test_docs_tables_are_generated_from_the_record(record):
         measured.counter_table(counters),
         measured.sweep_model_table(sweep),
         measured.rework_table(record),
+        measured.floor_table(record),
     ):
         assert table in gpu, f"docs/gpu.md lacks this generated table:\n{table}"
 
@@ -250,3 +251,56 @@ def test_the_rework_estimate_and_its_quotes(record, monkeypatch):
     ]
     method = " ".join((REPO / "docs" / "method.md").read_text().split())
     assert f"{100 * min(cuts):.0f}–{100 * max(cuts):.0f}% fewer instructions per program" in method
+
+
+def test_the_pair_arithmetic_floor_and_what_the_targets_ask(record):
+    """The floor from first principles (31 FP32 operations per head, i, j, pair and step at 132 SMs
+    x 128 lanes x 1.755 GHz), its step ratio equal to the step assembly of the measured pieces with
+    the pair kernels at the floor, the share each target needs giving exactly the target there,
+    and the figures docs/gpu.md and the README quote."""
+    assert measured.STEP_PAIR_FP32 == 31
+    floor = measured.pair_fp32_floor_ms(2048)
+    assert floor == pytest.approx(1e3 * 31 * 32 * 2048**2 * 32 / (132 * 128 * 1.755e9))
+    assert measured.pair_fp32_floor_ms(4096) == pytest.approx(4 * floor)
+    rows = {(r["length"], r["arrangement"].split()[0]): r for r in measured.floor_rows(record)}
+    for (length, kind), r in rows.items():
+        got = record["benchmark"]["lengths"][str(length)]
+        ms, kernels = dict(got["ms"]), {d: dict(k) for d, k in got["kernels_ms"].items()}
+        for share, ratio in ((1.0, r["floor_ratio"]), (r["target_share"], r["target"])):
+            pair_ms = r["floor_ms"] / share
+            if kind == "pair":  # the biased SDPA as measured; both pair forwards in pair_ms
+                sdpa = kernels["pair_bias"]
+                ms["mdlmpe_triton_pair"] = (
+                    sdpa["attn_bias_fwd (sdpa)"] + sdpa["attn_bias_bwd (sdpa)"] + pair_ms
+                )
+                sdpa["pair_forward"] = 0.0
+                assert measured.assembled_step_ratio(ms, kernels, "triton-pair") == pytest.approx(ratio)
+            else:  # RoPE flash's fwd + bwd for the attention part
+                ms["mdlmpe_triton"] = ms["rope_flash"] + pair_ms
+                assert measured.assembled_step_ratio(ms, kernels, "triton") == pytest.approx(ratio)
+    assert all(r["moonshot_share"] > 1 for r in rows.values())  # no FP32 design reaches the moonshot
+    gpu = " ".join((REPO / "docs" / "gpu.md").read_text().split())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    ratio = {key: f"{r['floor_ratio']:.2f}×" for key, r in rows.items()}
+    shares = [r["target_share"] for r in rows.values()]
+    today = [r["today_share"] for r in rows.values()]
+    half = [r["target_share"] / 2 for r in rows.values()]
+
+    def span(values: list[float]) -> str:
+        return f"{100 * min(values):.0f}–{100 * max(values):.0f}%"
+
+    fused, pair = ratio[2048, "fused"], ratio[2048, "pair"]
+    quoted = [
+        f"the step alone is {fused} (fused) and {pair} (pair + SDPA bias) at L = 2048, "
+        f"{ratio[4096, 'fused']} and {ratio[4096, 'pair']} at 4096",
+        f"The targets need {span(shares)} of the FP32 peak",
+        f"Today's kernels reach {span(today)}",
+        f"At twice the FP32 rate the targets need {span(half)}",
+    ]
+    for text in quoted:
+        assert text in gpu, text
+    assert (
+        f"the step would still be {fused} (fused) to {pair} (pair + SDPA bias) at L = 2048, so the "
+        f"targets need {span(shares)} of the FP32 peak on the pair arithmetic, where today's kernels "
+        f"reach {span(today)}"
+    ) in readme
