@@ -181,7 +181,9 @@ def compile_cubin(
     return compile_function(_kernel_fn(kernel), meta, dtype, capability, kernel_options(kernel, config))
 
 
-def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, options: dict[str, int]):
+def compile_function(
+    fn, meta: dict, dtype: torch.dtype, capability: int, options: dict[str, int], pointers: dict | None = None
+):
     """AOT-compile the @triton.jit ``fn`` with constexprs ``meta`` and Triton ``options``
     (num_warps, num_stages, maxnreg) for sm_``capability``. Other arguments: the names in ``_INTS``
     are i32, ``_FLOATS`` fp32, pointers in ``_MODEL_DTYPE_POINTERS`` in ``dtype``, every other
@@ -191,7 +193,8 @@ def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, option
     (1024, 2048, ...), the head counts (32), F (64), the MLP width (32) and |M| (32); the
     vectorised loads and the address arithmetic of the compiled code depend on it (the pair
     forward of 2026-11-28 compiled to 96 registers without the head counts and widths marked, 106
-    with them)."""
+    with them). ``pointers``: {argument: Triton element type} for pointers typed otherwise (a probe
+    kernel's fp16 pair components, benchmarks/gpu_cost/half_pairs.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -206,6 +209,8 @@ def compile_function(fn, meta: dict, dtype: torch.dtype, capability: int, option
             signature[name] = "fp32"
         else:
             signature[name] = f"*{model_dtype if name in _MODEL_DTYPE_POINTERS else 'fp32'}"
+        if pointers and name in pointers:
+            signature[name] = f"*{pointers[name]}"
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
