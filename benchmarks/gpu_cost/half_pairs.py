@@ -2,21 +2,27 @@
 
 ``measured.floor_rows`` finds that the cost targets need 62-87% of the H100's FP32 peak on the pair
 arithmetic, and 31-43% at twice that rate. The H100 runs packed half-precision FMAs (HFMA2: two
-fp16 FMAs per lane and instruction) at twice its FP32 rate. Two questions decide whether that rate
-is usable, and both are answered here offline, for the pair forward (the bias E):
+fp16 FMAs per lane and instruction) at twice its FP32 rate. The three ``triton-pair`` kernels take
+the dtype of their per-head pair arithmetic as a constexpr, ``PAIR_DT`` (``pair_bias``): fp32 as
+shipped, where every conversion is a no-op (the sm_90 machine code is the recorded one), and fp16
+here: pair components, alpha, beta, dE and their products in fp16, every sum over heads, key
+tiles and pair chunks in fp32. Two questions decide whether the fp16 rate is usable, answered
+offline:
 
-1. Precision (``precision_rows``): the probe kernel (``half_pair_probe``: the shipped pair forward
-   with fp16 pair components, alpha, beta and per-pair products, the sum over a chunk's pairs in
-   fp32) run in the Triton interpreter, whose numpy fp16 ops round every operation (the GPU's FMA
-   rounds once per multiply-add: the interpreter errs on the safe side). Its bias against the
-   reference's, and the error it puts on the MDLMPE part of the attention output (reference minus
-   plain RoPE), beside the baselines: the shipped fp32 pair path, and the bias's own rounding to
-   bf16, which training already pays.
-2. Machine code (``probe_loops``): the probe and the shipped forward compiled for sm_90 at the
-   launcher's settings; their per-head loops read from the SASS (``sass.body_summary``).
+1. Precision (``precision_rows``): the kernels run with PAIR_DT fp16 in the Triton interpreter,
+   through the real launch path (``pair_backend._PairBias``), whose numpy fp16 ops round every
+   operation (the GPU's FMA rounds once per multiply-add: the interpreter errs on the safe side).
+   Forward: the bias against the fp32 kernels' (which match the reference to ~1e-7), beside the
+   bias's own rounding to bf16 that training pays. Backward: the gradients of q, k and the phase
+   MLP for a dBias from SDPA's backward at a training-like scale, against the fp32 kernels' with
+   the exact dBias, beside the error the fp32 kernels already take from dBias rounded to bf16 (as
+   SDPA returns it in bf16 training). dBias is then below fp16's normal range (6.1e-5): the fp16
+   backward is shown as it is and with dBias scaled by a power of two first (exact, undone in
+   fp32 after).
+2. Machine code (``probe_loops``): each kernel compiled for sm_90 at the launcher's settings with
+   PAIR_DT fp32 and fp16 (fp16 pair components in memory), its per-head loop read from the SASS.
 
-The backward kernels are not probed: their sums over keys (dq), rows (dk) and heads (dE/d delta)
-need fp32 accumulators, so their gain would be smaller. Nothing here changes what runs.
+Nothing here changes what runs.
 """
 
 from __future__ import annotations
@@ -29,71 +35,88 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-#: (d_h, heads, L, scale of q and k, std of the phase MLP's output weights): the study's cases. The
-#: MLP's output layer is drawn away from its zero init so that |delta| spans (0, tau_max).
-CASES = ((32, 4, 64, 3.0, 0.5), (128, 4, 64, 3.0, 0.5), (128, 4, 64, 30.0, 0.5))
+#: (d_h, heads, L, scale of q and k, std of dO): the study's cases. The phase MLP's output layer is
+#: drawn (std 0.5) away from its zero init so that |delta| spans (0, tau_max). The second case's dO
+#: puts max |dBias| near 2e-5, below fp16's normal range, as a long sequence's softmax does (P ~
+#: 1 / L); the third scales q and k by 30 (|bias| up to ~360) to look for fp16 overflow.
+CASES = ((32, 2, 32, 3.0, 1e-4), (128, 2, 32, 3.0, 1e-6), (128, 2, 32, 30.0, 1e-4))
+GRADIENTS = ("q", "k", "phase MLP")
+
+
+def _relative(got, want) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def _probe_worker(case: tuple) -> dict:
-    """In a process whose triton runs interpreted: the probe and the shipped pair forward on one
-    case, and the attention outputs they lead to. Returns the errors (see ``precision_rows``)."""
+    """In a process whose triton runs interpreted: one case (``precision_rows``)."""
     import torch
+    import triton.language as tl
 
-    from mdlmpe_ds.attention.common import rope_attention
-    from mdlmpe_ds.attention.reference import reference_attention
-    from mdlmpe_ds.attention.triton import pair_backend, pair_bias
+    from mdlmpe_ds.attention.triton import pair_backend
     from mdlmpe_ds.pe.phase import PhaseMLP
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_cost.half_pair_probe import half_pair_fwd_kernel
-
-    head_dim, heads, length, size, spread = case
+    head_dim, heads, length, size, grad_scale = case
     gen = torch.Generator().manual_seed(head_dim + heads + length)
     torch.manual_seed(0)
     mlp = PhaseMLP(head_dim // 2, max(16, head_dim // 4))
     with torch.no_grad():
-        mlp.fc2.weight.normal_(0.0, spread, generator=gen)
-        mlp.fc2.bias.normal_(0.0, spread, generator=gen)
+        mlp.fc2.weight.normal_(0.0, 0.5, generator=gen)
+        mlp.fc2.bias.normal_(0.0, 0.5, generator=gen)
     q, k, v = (
         torch.randn(1, heads, length, head_dim, generator=gen).mul(size).bfloat16().float() for _ in range(3)
     )
     D = torch.rand(1, length, head_dim // 2, generator=gen) + 0.5
     A = torch.rand(1, length, head_dim // 2, generator=gen) * D
     scale = 1.0 / math.sqrt(head_dim)
-    phase = mlp.params()
-    args = (q, k, A, D, *(p.float().contiguous() for p in phase), torch.zeros(1, length))
-    settings = (0.25, 1e-4, scale, pair_backend.resolve_pair_launch(q))
-    with torch.no_grad():
-        shipped = pair_backend._PairBias.apply(*args, *settings)
-        fp32_components = pair_backend.pair_components
-        pair_bias.pair_bias_fwd_kernel, kept = half_pair_fwd_kernel, pair_bias.pair_bias_fwd_kernel
-        pair_backend.pair_components = lambda *a: fp32_components(*a).half()
+    config = pair_backend.resolve_pair_launch(q)
+    shipped_constexprs = pair_backend.pair_constexprs
+
+    def run(pair_dt, dbias=None):
+        """The bias, and with ``dbias`` the gradients (q, k, the MLP's four, flattened)."""
+        pair_backend.pair_constexprs = lambda **kw: {**shipped_constexprs(**kw), "PAIR_DT": pair_dt}
         try:
-            probe = pair_backend._PairBias.apply(*args, *settings)
+            leaves = [t.detach().clone().requires_grad_(dbias is not None) for t in (q, k, *mlp.params())]
+            args = (*leaves[:2], A, D, *(p.float() for p in leaves[2:]), torch.zeros(1, length))
+            bias = pair_backend._PairBias.apply(*args, 0.25, 1e-4, scale, config)
+            if dbias is None:
+                return bias.detach(), None
+            bias.backward(dbias)
+            grads = [t.grad for t in leaves]
+            return bias.detach(), (grads[0], grads[1], torch.cat([g.flatten() for g in grads[2:]]))
         finally:
-            pair_bias.pair_bias_fwd_kernel, pair_backend.pair_components = kept, fp32_components
-        want = reference_attention(q, k, v, A, D, phase, tau_max=0.25, clip_kappa=1e-4)
-        plain = rope_attention(q, k, v)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        exact_bias = shipped.double()  # the fp32 path's bias: the reference's to ~1e-7 (tests)
+            pair_backend.pair_constexprs = shipped_constexprs
 
-        def output_error(bias: torch.Tensor) -> float:
-            out = sdpa(q, k, v, attn_mask=bias.float(), scale=scale)
-            return float((out - want).norm() / (want - plain).norm())
-
-        return dict(
-            case=list(case),
-            mdlmpe_part=float((want - plain).norm() / want.norm()),
-            bias_max=float(exact_bias.abs().max()),
-            probe_bias_error=float((probe.double() - exact_bias).norm() / exact_bias.norm()),
-            bf16_rounding_error=float((shipped.bfloat16().double() - exact_bias).norm() / exact_bias.norm()),
-            output_error={
-                "fp32 pair path, bias fp32": output_error(shipped),
-                "fp32 pair path, bias bf16 (training)": output_error(shipped.bfloat16()),
-                "fp16 pair path, bias fp32": output_error(probe),
-                "fp16 pair path, bias bf16": output_error(probe.bfloat16()),
-            },
-        )
+    exact, _ = run(tl.float32)
+    half, _ = run(tl.float16)
+    # dBias from SDPA's backward with the fp32 bias, at a training-like scale of dO
+    bias_leaf = exact.clone().requires_grad_()
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias_leaf, scale=scale)
+    out.backward(torch.randn(out.shape, generator=gen) * grad_scale)
+    dbias = bias_leaf.grad
+    rounded = dbias.bfloat16().float()
+    shift = 2.0 ** -math.floor(math.log2(float(dbias.abs().max())))  # max |dbias| * shift in [1, 2)
+    _, want = run(tl.float32, dbias)
+    _, training = run(tl.float32, rounded)
+    _, fp16 = run(tl.float16, rounded)
+    _, fp16_shifted = run(tl.float16, rounded * shift)
+    fp16_shifted = [g / shift for g in fp16_shifted]
+    return dict(
+        case=list(case),
+        bias_max=float(exact.abs().max()),
+        dbias_max=float(dbias.abs().max()),
+        forward={
+            "fp16 bias error": _relative(half, exact),
+            "bias rounding to bf16": _relative(exact.bfloat16(), exact),
+        },
+        backward={
+            name: {
+                "fp32, dBias in bf16 (training)": _relative(training[i], want[i]),
+                "fp16": _relative(fp16[i], want[i]),
+                "fp16, dBias scaled": _relative(fp16_shifted[i], want[i]),
+            }
+            for i, name in enumerate(GRADIENTS)
+        },
+    )
 
 
 def precision_rows(cases=CASES, timeout: float = 900) -> list[dict]:
@@ -113,79 +136,89 @@ def precision_rows(cases=CASES, timeout: float = 900) -> list[dict]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def probe_loops() -> dict[str, dict]:
-    """The shipped pair forward and the fp16 probe compiled for sm_90 at the launcher's settings
-    (LLaDA-8B widths, bf16): registers, spill, and the per-head loop (``sass.body_summary``, with
-    the packed half-precision instructions counted apart)."""
+def probe_loops() -> dict[str, dict[str, dict]]:
+    """{kernel: {"fp32": ..., "fp16": ...}}: each pair kernel compiled for sm_90 at the launcher's
+    settings (LLaDA-8B widths, bf16) with PAIR_DT fp32 (as shipped) and fp16 (fp16 pair components
+    in memory): registers, spill, and its per-head loop (``sass.body_summary``, with the packed
+    half-precision instructions counted apart)."""
     import torch
+    import triton.language as tl
 
     from gpu_cost import sass
-    from gpu_cost.half_pair_probe import half_pair_fwd_kernel
     from mdlmpe_ds.attention.triton import aot
-    from mdlmpe_ds.attention.triton.launch import pair_constexprs, pair_kernel_options, pair_launch_config
+    from mdlmpe_ds.attention.triton.launch import (
+        PAIR_KERNELS,
+        pair_constexprs,
+        pair_kernel_options,
+        pair_launch_config,
+    )
 
     config = pair_launch_config(128, torch.bfloat16, 90)
-    meta = pair_constexprs(
-        num_heads=32, num_kv=32, head_dim=128, hidden=32, num_mdlmpe=32, dtype=torch.bfloat16,
-        config=config, interpreting=False, kernel="pair_forward",
-    )  # fmt: skip
-    options = pair_kernel_options(config, "pair_forward")
-    builds = {
-        "shipped (fp32 pair arithmetic)": (aot._pair_kernel_fn("pair_forward"), None),
-        "probe (fp16 pair arithmetic)": (half_pair_fwd_kernel, {"qpair": "fp16", "kpair": "fp16"}),
-    }
     out = {}
-    for name, (fn, pointers) in builds.items():
-        cubin = aot.compile_function(fn, meta, torch.bfloat16, 90, options, pointers).asm["cubin"]
-        usage = aot.resource_usage(cubin)
-        (loop,) = sass.innermost_loops(sass.parse_sass(aot.sass(cubin)))
-        summary = sass.body_summary(loop)
-        summary["packed_half"] = sum(op.startswith(("HFMA2", "HMUL2", "HADD2")) for _, op, _ in loop)
-        out[name] = dict(registers=usage["REG"], spill_bytes=usage["STACK"], head_loop=summary)
+    for kernel in PAIR_KERNELS:
+        meta = pair_constexprs(
+            num_heads=32, num_kv=32, head_dim=128, hidden=32, num_mdlmpe=32, dtype=torch.bfloat16,
+            config=config, interpreting=False, kernel=kernel,
+        )  # fmt: skip
+        options = pair_kernel_options(config, kernel)
+        out[kernel] = {}
+        for name, pair_dt, pointers in (
+            ("fp32", tl.float32, None),
+            ("fp16", tl.float16, {"qpair": "fp16", "kpair": "fp16"}),
+        ):
+            fn = aot._pair_kernel_fn(kernel)
+            cubin = aot.compile_function(
+                fn, {**meta, "PAIR_DT": pair_dt}, torch.bfloat16, 90, options, pointers
+            ).asm["cubin"]
+            usage = aot.resource_usage(cubin)
+            loops = sass.innermost_loops(sass.parse_sass(aot.sass(cubin)))
+            body = [i for loop in loops for i in loop]  # the head loop (the key side: per KV head)
+            summary = sass.body_summary(body)
+            summary["packed_half"] = sum(op.startswith(("HFMA2", "HMUL2", "HADD2")) for _, op, _ in body)
+            out[kernel][name] = dict(registers=usage["REG"], spill_bytes=usage["STACK"], head_loop=summary)
     return out
 
 
 def precision_table(rows: list[dict]) -> str:
-    """docs/gpu.md's table of ``precision_rows``."""
+    """docs/gpu.md's table of ``precision_rows``: relative errors (norms)."""
     lines = [
-        "| d_h, heads, L, q and k scale | MDLMPE part of the output | max abs bias | fp16 bias error | "
-        "bias rounding to bf16 | output error on the MDLMPE part, fp32 pairs: bias fp32 / bf16 | "
-        "fp16 pairs: bias fp32 / bf16 |",
-        "|---|---|---|---|---|---|---|",
+        "| d_h, heads, L, q and k scale, dO std | max abs bias, dBias | forward: fp16 bias / bias rounded "
+        "to bf16 | backward, q / k / phase MLP: fp32 with dBias in bf16 (training) | fp16 | fp16, dBias "
+        "scaled |",
+        "|---|---|---|---|---|---|",
     ]
+    keys = ("fp32, dBias in bf16 (training)", "fp16", "fp16, dBias scaled")
     for r in rows:
-        d, h, n, size, _ = r["case"]
-        o = {k: 100 * v for k, v in r["output_error"].items()}
-        fp32_pairs = (
-            f"{o['fp32 pair path, bias fp32']:.4f}% / {o['fp32 pair path, bias bf16 (training)']:.2f}%"
-        )
+        d, h, n, size, grad = r["case"]
+        f = r["forward"]
+        backward = [" / ".join(f"{r['backward'][g][key]:.1e}" for g in GRADIENTS) for key in keys]
         lines.append(
-            f"| {d}, {h}, {n}, {size:g} | {100 * r['mdlmpe_part']:.0f}% | {r['bias_max']:.1f} | "
-            f"{r['probe_bias_error']:.1e} | {r['bf16_rounding_error']:.1e} | "
-            f"{fp32_pairs} | {o['fp16 pair path, bias fp32']:.2f}% / {o['fp16 pair path, bias bf16']:.2f}% |"
+            f"| {d}, {h}, {n}, {size:g}, {grad:g} | {r['bias_max']:.1f}, {r['dbias_max']:.1e} | "
+            f"{f['fp16 bias error']:.1e} / {f['bias rounding to bf16']:.1e} | {' | '.join(backward)} |"
         )
     return "\n".join(lines)
 
 
-def loops_table(loops: dict[str, dict]) -> str:
+def loops_table(loops: dict[str, dict[str, dict]]) -> str:
     """docs/gpu.md's table of ``probe_loops``."""
     lines = [
-        "| pair forward, sm_90, LLaDA-8B widths | registers | spill B | per head and warp: instructions | "
-        "FP pipe (of them packed fp16) | global loads | barriers |",
-        "|---|---|---|---|---|---|---|",
+        "| kernel (sm_90, LLaDA-8B widths) | PAIR_DT | registers | spill B | per head and warp: "
+        "instructions | FP pipe (of them packed fp16) | shuffles | global loads |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in loops.items():
-        h = r["head_loop"]
-        lines.append(
-            f"| {name} | {r['registers']} | {r['spill_bytes']} | {h['instructions']} | "
-            f"{h['fp32']} ({h['packed_half']}) | {h['global_loads']} | {h['barriers']} |"
-        )
+    for kernel, builds in loops.items():
+        for name, r in builds.items():
+            h = r["head_loop"]
+            lines.append(
+                f"| {kernel} | {name} | {r['registers']} | {r['spill_bytes']} | {h['instructions']} | "
+                f"{h['fp32']} ({h['packed_half']}) | {h['shuffles']} | {h['global_loads']} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
-    print("The pair forward with its pair arithmetic in fp16 (a probe; nothing shipped uses it).\n")
-    print("Precision, in the Triton interpreter (every fp16 operation rounded):")
+    print("The triton-pair kernels with their pair arithmetic in fp16 (PAIR_DT; a probe, not shipped).\n")
+    print("Precision, in the Triton interpreter (every fp16 operation rounded), relative errors:")
     print(precision_table(precision_rows()) + "\n")
     print("Machine code, ahead-of-time sm_90 compiles at the launcher's settings:")
     print(loops_table(probe_loops()))

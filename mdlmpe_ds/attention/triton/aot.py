@@ -15,6 +15,7 @@ Importing this module imports triton (compiler mode unless TRITON_INTERPRET=1 is
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -199,6 +200,11 @@ def compile_function(
     from triton.backends.compiler import GPUTarget
 
     model_dtype = _TRITON_DTYPES[dtype]
+    # constexprs the launcher leaves at their defaults (a launch takes them from the signature)
+    defaults = {
+        p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty
+    }
+    meta = {**defaults, **meta}
     signature = {}
     for name in fn.arg_names:
         if name in meta:

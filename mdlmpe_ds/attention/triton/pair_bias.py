@@ -50,6 +50,12 @@ backward kernels; now 2, 4 and 22: the key side still sums its tiles over rows h
 warps). The backward kernels request the next head's dBias tile (streamed from
 HBM) before the current head's arithmetic, so that its latency overlaps it.
 
+PAIR_DT (a constexpr of all three kernels): the dtype of the per-head pair arithmetic. fp32 is what
+runs; every conversion it adds is then a no-op and the machine code is the recorded one. fp16 (pair
+components, alpha, beta, dE and their products packed two to a register; the sums over heads, key
+tiles and pair chunks in fp32) is a probe that nothing launches: benchmarks/gpu_cost/half_pairs.py
+measures its precision in the interpreter and its sm_90 machine code (docs/gpu.md).
+
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, LP, 2 NMP], kpair [B, Hkv, LP, 2 NMP]
 fp32, component-major (``pair_backend.pair_components``: component 0 of pair m, dim 2m + 1, at m;
 component 1, dim F + 2m + 1, at NMP + m; zeros past L and NM: LP = ``launch.pair_padded_length``,
@@ -151,6 +157,16 @@ def _tile_phases(
 
 
 @triton.jit
+def _in_pair_dtype(xs, PAIR_DT: tl.constexpr):
+    """A tuple of tiles in the pair arithmetic's dtype PAIR_DT: fp32 as shipped (no instruction),
+    fp16 in the probe of benchmarks/gpu_cost/half_pairs.py (packed two to a register)."""
+    out = ()
+    for c in tl.static_range(len(xs)):
+        out = out + (xs[c].to(PAIR_DT),)  # noqa: RUF005
+    return out
+
+
+@triton.jit
 def _chunk_zeros(BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr):
     """NC fp32 zero tiles [BM, BN, MC]: one accumulator per pair chunk, a tuple."""
     zeros = ()
@@ -198,6 +214,7 @@ def pair_bias_fwd_kernel(
     BN: tl.constexpr,
     PREC: tl.constexpr,
     POLY: tl.constexpr,
+    PAIR_DT: tl.constexpr = tl.float32,
 ):
     """bias[b, h, i, j] = E_h[i, j] * scale + kbias[b, j] for every query head h of the (row tile,
     key tile) of this program (Eqs. (23)-(26) once, then 6 FMAs per head, pair and (i, j))."""
@@ -219,18 +236,28 @@ def pair_bias_fwd_kernel(
         BM, BN, FP, HP, MC, NC, PREC, POLY,
     )  # fmt: skip
     key_bias = tl.load(kbias + b * L + cols, mask=col_ok, other=0.0)  # [BN]
+    alphas = _in_pair_dtype(alphas, PAIR_DT)
+    betas = _in_pair_dtype(betas, PAIR_DT)
     # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32 (summed over the pairs once per
-    #    head); the bias in the model dtype.
+    #    head); the bias in the model dtype. PAIR_DT fp16 (a probe): the per-pair products and the
+    #    sum over the chunks in fp16, as q1 u1 + q2 u2 with u = (alpha k1 - beta k2, alpha k2 +
+    #    beta k1) (|u| <= 0.28 |k|: far from fp16's overflow, where C, S need not be), then fp32.
     for h in range(HQ):
         q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
         k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
-        e3 = tl.zeros((BM, BN, MC), tl.float32)
+        e3 = tl.zeros((BM, BN, MC), PAIR_DT)
         for c in tl.static_range(NC):
             q1, q2 = _pairs_across(q_plane, rows, c * MC + mm, cols, NMP, True)  # [BM, BN, MC]
             k1, k2 = _pairs_across(k_plane, cols, c * MC + mm, rows, NMP, False)
-            e3 += alphas[c] * (q1 * k1 + q2 * k2) + betas[c] * (q2 * k1 - q1 * k2)
+            if PAIR_DT.is_fp16():
+                q1, q2, k1, k2 = _in_pair_dtype((q1, q2, k1, k2), PAIR_DT)
+                u1 = alphas[c] * k1 - betas[c] * k2
+                u2 = alphas[c] * k2 + betas[c] * k1
+                e3 += q1 * u1 + q2 * u2
+            else:
+                e3 += alphas[c] * (q1 * k1 + q2 * k2) + betas[c] * (q2 * k1 - q1 * k2)
         ptrs, mask = _plane(bias, b, h, rows, cols, HQ, L, row_ok, col_ok)
-        e = tl.sum(e3, axis=2)
+        e = tl.sum(e3.to(tl.float32), axis=2)
         tl.store(ptrs, (e * scale + key_bias[None, :]).to(bias.dtype.element_ty), mask=mask)
 
 
@@ -270,6 +297,7 @@ def pair_bias_bwd_q_kernel(
     BN: tl.constexpr,
     PREC: tl.constexpr,
     POLY: tl.constexpr,
+    PAIR_DT: tl.constexpr = tl.float32,
 ):
     """For one row tile, over the SPLIT_TILES key tiles of its split (the last split's may be
     fewer): the query pair gradients of every head into the split's partial dqpair, dE/d delta
@@ -303,6 +331,8 @@ def pair_bias_bwd_q_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         dds = _chunk_zeros(BM, BN, MC, NC)
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head arithmetic in fp16,
+        be_h = _in_pair_dtype(betas, PAIR_DT)  # the sums over the heads and the key tiles in fp32
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
         #    (1 + alpha) S, summed over the heads, per chunk.
@@ -312,6 +342,7 @@ def pair_bias_bwd_q_kernel(
             # arithmetic, so its latency overlaps it (the last head reloads itself).
             ds = ds_next[:, :, None]  # [BM, BN, 1]
             ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale)
+            (ds,) = _in_pair_dtype((ds,), PAIR_DT)
             q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
             k_plane = _plane_ptr(kpair, b, h // REP, HKV, LP, NMP)
             dq_rows = dq_part + (h * LP + rows).to(tl.int64)[:, None] * (2 * NMP)  # this program's rows
@@ -320,14 +351,17 @@ def pair_bias_bwd_q_kernel(
                 m = c * MC + mm
                 q1, q2 = _pairs_across(q_plane, rows, m, cols, NMP, True)  # [BM, BN, MC]
                 k1, k2 = _pairs_across(k_plane, cols, m, rows, NMP, False)
+                q1, q2, k1, k2 = _in_pair_dtype((q1, q2, k1, k2), PAIR_DT)
                 # dE/dq = dE (alpha k1 - beta k2, alpha k2 + beta k1): alpha, beta meet the loaded
                 # components before the per-head dE (their layout is converted once per key
                 # tile, not each head's products once per head).
-                u1 = alphas[c] * k1 - betas[c] * k2
-                u2 = alphas[c] * k2 + betas[c] * k1
-                _add_pairs(dq_rows + m[None, :], tl.sum(ds * u1, axis=1), tl.sum(ds * u2, axis=1), NMP)
+                u1 = al_h[c] * k1 - be_h[c] * k2
+                u2 = al_h[c] * k2 + be_h[c] * k1
+                dq1 = tl.sum(ds * u1, axis=1).to(tl.float32)
+                _add_pairs(dq_rows + m[None, :], dq1, tl.sum(ds * u2, axis=1).to(tl.float32), NMP)
                 # dE/d delta = dE ((1 + alpha) S - beta C) = dE (q2 (k1 + u1) - q1 (k2 + u2)).
-                summed = summed + (dds[c] + ds * (q2 * (k1 + u1) - q1 * (k2 + u2)),)  # noqa: RUF005
+                term = (ds * (q2 * (k1 + u1) - q1 * (k2 + u2))).to(tl.float32)
+                summed = summed + (dds[c] + term,)  # noqa: RUF005
             dds = summed
         # 3. Back through delta = tau tanh(W2 hid + b2) and the hidden layer, recomputed (SWAP:
         #    not CSE'd with the first evaluation, which would keep it live through the head loop).
@@ -385,6 +419,7 @@ def pair_bias_bwd_k_kernel(
     BN: tl.constexpr,
     PREC: tl.constexpr,
     POLY: tl.constexpr,
+    PAIR_DT: tl.constexpr = tl.float32,
 ):
     """For one key tile, over the SPLIT_TILES row tiles of its split (the last split's may be
     fewer): the key pair gradient of every KV head, P^T z_q summed over those rows and the REP
@@ -415,28 +450,33 @@ def pair_bias_bwd_k_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head arithmetic and the
+        be_h = _in_pair_dtype(betas, PAIR_DT)  # sums over a KV head's rows in fp16, then fp32
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
-            acc1 = _chunk_zeros(BM, BN, MC, NC)
-            acc2 = _chunk_zeros(BM, BN, MC, NC)
+            acc1 = _in_pair_dtype(_chunk_zeros(BM, BN, MC, NC), PAIR_DT)
+            acc2 = _in_pair_dtype(_chunk_zeros(BM, BN, MC, NC), PAIR_DT)
             for r in range(REP):
                 h = kv * REP + r
                 # The next query head's dBias tile requested first (prefetch, as the query side);
                 # each head's tile is loaded once for all pair chunks.
                 ds = ds_next[:, :, None]  # [BM, BN, 1]
                 ds_next = _ds_tile(dbias, b, tl.minimum(h + 1, HQ - 1), rows, cols, HQ, L, scale)
+                (ds,) = _in_pair_dtype((ds,), PAIR_DT)
                 q_plane = _plane_ptr(qpair, b, h, HQ, LP, NMP)
                 new1 = ()
                 new2 = ()
                 for c in tl.static_range(NC):
                     q1, q2 = _pairs_across(q_plane, rows, c * MC + mm, cols, NMP, True)  # [BM, BN, MC]
+                    q1, q2 = _in_pair_dtype((q1, q2), PAIR_DT)
                     # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet the
                     # loaded components before the per-head dE (their layout is converted once
                     # per row tile, not each head's products once per head).
-                    new1 = new1 + (acc1[c] + ds * (alphas[c] * q1 + betas[c] * q2),)  # noqa: RUF005
-                    new2 = new2 + (acc2[c] + ds * (alphas[c] * q2 - betas[c] * q1),)  # noqa: RUF005
+                    new1 = new1 + (acc1[c] + ds * (al_h[c] * q1 + be_h[c] * q2),)  # noqa: RUF005
+                    new2 = new2 + (acc2[c] + ds * (al_h[c] * q2 - be_h[c] * q1),)  # noqa: RUF005
                 acc1 = new1
                 acc2 = new2
             for c in tl.static_range(NC):
                 dk_row = dk_rows + (c * MC + mm)[None, :]
-                _add_pairs(dk_row, tl.sum(acc1[c], axis=0), tl.sum(acc2[c], axis=0), NMP)  # [BN, MC]
+                dk1 = tl.sum(acc1[c], axis=0).to(tl.float32)  # [BN, MC]
+                _add_pairs(dk_row, dk1, tl.sum(acc2[c], axis=0).to(tl.float32), NMP)
