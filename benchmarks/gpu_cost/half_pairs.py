@@ -146,30 +146,19 @@ def probe_loops() -> dict[str, dict[str, dict]]:
 
     from gpu_cost import sass
     from mdlmpe_ds.attention.triton import aot
-    from mdlmpe_ds.attention.triton.launch import (
-        PAIR_KERNELS,
-        pair_constexprs,
-        pair_kernel_options,
-        pair_launch_config,
-    )
+    from mdlmpe_ds.attention.triton.launch import PAIR_KERNELS
 
-    config = pair_launch_config(128, torch.bfloat16, 90)
     out = {}
     for kernel in PAIR_KERNELS:
-        meta = pair_constexprs(
-            num_heads=32, num_kv=32, head_dim=128, hidden=32, num_mdlmpe=32, dtype=torch.bfloat16,
-            config=config, interpreting=False, kernel=kernel,
-        )  # fmt: skip
-        options = pair_kernel_options(config, kernel)
         out[kernel] = {}
         for name, pair_dt, pointers in (
             ("fp32", tl.float32, None),
             ("fp16", tl.float16, {"qpair": "fp16", "kpair": "fp16"}),
         ):
-            fn = aot._pair_kernel_fn(kernel)
-            cubin = aot.compile_function(
-                fn, {**meta, "PAIR_DT": pair_dt}, torch.bfloat16, 90, options, pointers
-            ).asm["cubin"]
+            compiled = aot.compile_cubin(
+                kernel, 128, torch.bfloat16, 90, constexprs={"PAIR_DT": pair_dt}, pointers=pointers
+            )
+            cubin = compiled.asm["cubin"]
             usage = aot.resource_usage(cubin)
             loops = sass.innermost_loops(sass.parse_sass(aot.sass(cubin)))
             body = [i for loop in loops for i in loop]  # the head loop (the key side: per KV head)

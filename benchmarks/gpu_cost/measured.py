@@ -85,15 +85,28 @@ def measured_step_ratio(record: dict, backend: str, length: int) -> float:
     return assembled_step_ratio(row["ms"], row["kernels_ms"], backend)
 
 
+def linear_ms(ms: dict[str, float]) -> float:
+    """One layer's projections and SwiGLU per step: fwd + bwd, and their forward again (the
+    checkpoint's recompute)."""
+    return ms["linear_layer"] + ms["linear_layer_fwd"]
+
+
+def step_ms(ms: dict[str, float], attention: float) -> float:
+    """The assembled LLaDA-8B step (the module docstring's sum) with ``attention`` ms per layer."""
+    return step.LLADA["layers"] * (linear_ms(ms) + attention) + ms["lm_head"]
+
+
+def rope_step_ms(ms: dict[str, float]) -> float:
+    """The RoPE step: SDPA flash fwd + bwd and its forward again, inside the checkpoint."""
+    return step_ms(ms, ms["rope_flash"] + ms["rope_flash_fwd"])
+
+
 def assembled_step_ratio(ms: dict[str, float], kernels_ms: dict[str, dict], backend: str) -> float:
     """The step ratio from one length's measured pieces (the module docstring's sum): ``ms`` per
     benchmark method, ``kernels_ms`` per design and kernel (``bench_attention_gpu.kernel_times``)."""
-    n = step.LLADA["layers"]
-    linear = ms["linear_layer"] + ms["linear_layer_fwd"]
-    rope = n * (linear + ms["rope_flash"] + ms["rope_flash_fwd"]) + ms["lm_head"]
     design, method = BACKENDS[backend]
     attention = ms[method] + sum(kernels_ms[design][k] for k in RECOMPUTED if backend == "triton-pair")
-    return (n * (linear + attention) + ms["lm_head"]) / rope
+    return step_ms(ms, attention) / rope_step_ms(ms)
 
 
 def model_step_ratio(backend: str, length: int) -> tuple[float, float, float]:
@@ -447,14 +460,23 @@ TARGETS = {2048: (2.0, 1.6), 4096: (2.8, 2.0)}
 STEP_PAIR_FP32 = 2 * designs.PAIR_FP32["pair_bias"]["pair_forward"] + sum(
     designs.PAIR_FP32["pair_bias"][k] for k in ("pair_backward_q", "pair_backward_k")
 )
-#: Per arrangement, what the attention costs beside the pair arithmetic (from the record, ms per
-#: layer and step): inside a flash kernel, what RoPE's flash attention costs once fwd + bwd (the
-#: fused kernels stay outside the checkpoint); beside SDPA with an additive bias, its measured
-#: forward twice (the checkpoint recomputes it) and backward once.
+#: Per arrangement, from one length's measured ms and kernel ms: (what the attention costs beside
+#: the pair arithmetic, per layer and step; what today's kernels of it take for the pair part).
+#: Inside a flash kernel: RoPE flash's fwd + bwd once (the fused kernels stay outside the
+#: checkpoint); today the fused kernels less that. Beside SDPA with an additive bias: its measured
+#: forward twice (the checkpoint recomputes it) and backward once; today the pair kernels, the
+#: forward twice.
 FLOOR_ARRANGEMENTS = {
-    "fused (pair maths inside a flash kernel)": lambda ms, k: ms["rope_flash"],
-    "pair + SDPA bias (triton-pair)": lambda ms, k: (
-        2 * k["pair_bias"]["attn_bias_fwd (sdpa)"] + k["pair_bias"]["attn_bias_bwd (sdpa)"]
+    "fused (pair maths inside a flash kernel)": (
+        lambda ms, k: ms["rope_flash"],
+        lambda ms, k: sum(k["current"].values()) - ms["rope_flash"],
+    ),
+    "pair + SDPA bias (triton-pair)": (
+        lambda ms, k: 2 * k["pair_bias"]["attn_bias_fwd (sdpa)"] + k["pair_bias"]["attn_bias_bwd (sdpa)"],
+        lambda ms, k: sum(
+            k["pair_bias"][name] * (2 if name in RECOMPUTED else 1)
+            for name in ("pair_forward", "pair_backward_q", "pair_backward_k")
+        ),
     ),
 }
 
@@ -481,33 +503,29 @@ def floor_rows(record: dict) -> list[dict]:
     for length, (target, moonshot) in TARGETS.items():
         row = record["benchmark"]["lengths"][str(length)]
         ms, kernels = row["ms"], row["kernels_ms"]
-        linear = ms["linear_layer"] + ms["linear_layer_fwd"]
-        rope = n * (linear + ms["rope_flash"] + ms["rope_flash_fwd"]) + ms["lm_head"]
+        rope = rope_step_ms(ms)
         floor = pair_fp32_floor_ms(length)
-        today = {
-            "fused (pair maths inside a flash kernel)": sum(kernels["current"].values()) - ms["rope_flash"],
-            "pair + SDPA bias (triton-pair)": sum(
-                kernels["pair_bias"][k] * (2 if k == "pair_forward" else 1)
-                for k in ("pair_forward", "pair_backward_q", "pair_backward_k")
-            ),
-        }
-        for name, attention in FLOOR_ARRANGEMENTS.items():
-            other = linear + attention(ms, kernels)
+        for name, (attention, today) in FLOOR_ARRANGEMENTS.items():
+            beside = attention(ms, kernels)
             # ms per layer the pair arithmetic may take for a step ratio: the FP32 share it needs
-            room = {ratio: (ratio * rope - ms["lm_head"]) / n - other for ratio in (target, moonshot)}
+            room = {
+                ratio: (ratio * rope - ms["lm_head"]) / n - linear_ms(ms) - beside
+                for ratio in (target, moonshot)
+            }
             needed = {ratio: floor / left if left > 0 else float("inf") for ratio, left in room.items()}
+            today_ms = today(ms, kernels)
             rows.append(
                 dict(
                     length=length,
                     arrangement=name,
                     floor_ms=floor,
-                    floor_ratio=(n * (other + floor) + ms["lm_head"]) / rope,
+                    floor_ratio=step_ms(ms, beside + floor) / rope,
                     target=target,
                     moonshot=moonshot,
                     target_share=needed[target],
                     moonshot_share=needed[moonshot],
-                    today_ms=today[name],
-                    today_share=floor / today[name],
+                    today_ms=today_ms,
+                    today_share=floor / today_ms,
                 )
             )
     return rows

@@ -109,7 +109,7 @@ def scaled_pieces_ms(shape: Shape, ms: dict[str, float], fwd_share: float) -> di
     return {
         "mdlmpe_attention": ms["mdlmpe_triton"] * pair,
         "rope_attention": (ms["rope_flash"] + ms["rope_flash_fwd"]) * attn,
-        "linear": (ms["linear_layer"] + ms["linear_layer_fwd"]) * linear,
+        "linear": measured.linear_ms(ms) * linear,
         "lm_head": ms["lm_head"] * head,
         "mdlmpe_attention_fwd": ms["mdlmpe_triton"] * pair * fwd_share,
         "rope_attention_fwd": ms["rope_flash_fwd"] * attn,

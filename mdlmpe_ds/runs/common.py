@@ -234,13 +234,9 @@ def check_output_dir_shared(output_dir: str | Path, wait_s: float = SHARED_DIR_W
     that do not see rank 0's directory."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    rank = process_group.rank()
     host = socket.gethostname()
-    views = collectives.all_gather_object(
-        (host, run_lock.read(output_dir) if rank == 0 else None), setup=True
-    )
-    written = views[0][1]
-    seen = run_lock.read(output_dir)
+    views = collectives.all_gather_object((host, run_lock.read(output_dir)), setup=True)
+    written, seen = views[0][1], views[process_group.rank()][1]
     deadline = time.monotonic() + wait_s
     while seen != written and time.monotonic() < deadline:
         time.sleep(0.5)

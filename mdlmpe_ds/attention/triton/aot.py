@@ -146,10 +146,14 @@ def compile_cubin(
     capability: int,
     config: LaunchConfig | PairLaunchConfig | None = None,
     num_heads: int = 32,
+    constexprs: dict | None = None,
+    pointers: dict | None = None,
 ):
     """Triton's compiled kernel (``.asm["cubin"]``, ``.metadata.shared``) of ``kernel`` ("forward",
     "backward") for sm_``capability``, with the launch settings the launcher would use
-    (``config`` overrides them, for sweeps), at ``num_heads`` query = KV heads."""
+    (``config`` overrides them, for sweeps), at ``num_heads`` query = KV heads. ``constexprs``
+    override the launcher's, ``pointers`` retype pointer arguments (``compile_function``): a probe
+    of a pair kernel (benchmarks/gpu_cost/half_pairs.py)."""
 
     num_pairs = head_dim // 2
     if kernel in PAIR_KERNELS:
@@ -165,8 +169,9 @@ def compile_cubin(
             interpreting=False,
             kernel=kernel,
         )
+        options = pair_kernel_options(pair_config, kernel)
         return compile_function(
-            _pair_kernel_fn(kernel), meta, dtype, capability, pair_kernel_options(pair_config, kernel)
+            _pair_kernel_fn(kernel), {**meta, **(constexprs or {})}, dtype, capability, options, pointers
         )
     config = config or launch_config(head_dim, dtype, capability)
     meta = kernel_constexprs(
@@ -179,7 +184,10 @@ def compile_cubin(
         config=config,
         interpreting=False,
     )[kernel]
-    return compile_function(_kernel_fn(kernel), meta, dtype, capability, kernel_options(kernel, config))
+    meta = {**meta, **(constexprs or {})}
+    return compile_function(
+        _kernel_fn(kernel), meta, dtype, capability, kernel_options(kernel, config), pointers
+    )
 
 
 def compile_function(

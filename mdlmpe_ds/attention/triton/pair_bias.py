@@ -167,11 +167,14 @@ def _in_pair_dtype(xs, PAIR_DT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_zeros(BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr):
-    """NC fp32 zero tiles [BM, BN, MC]: one accumulator per pair chunk, a tuple."""
+def _chunk_zeros(
+    BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr, DT: tl.constexpr = tl.float32
+):
+    """NC zero tiles [BM, BN, MC] of dtype DT (fp32 unless given): one accumulator per pair chunk,
+    a tuple."""
     zeros = ()
     for _chunk in tl.static_range(NC):
-        zeros = zeros + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
+        zeros = zeros + (tl.zeros((BM, BN, MC), DT),)  # noqa: RUF005
     return zeros
 
 
@@ -454,8 +457,8 @@ def pair_bias_bwd_k_kernel(
         be_h = _in_pair_dtype(betas, PAIR_DT)  # sums over a KV head's rows in fp16, then fp32
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
-            acc1 = _in_pair_dtype(_chunk_zeros(BM, BN, MC, NC), PAIR_DT)
-            acc2 = _in_pair_dtype(_chunk_zeros(BM, BN, MC, NC), PAIR_DT)
+            acc1 = _chunk_zeros(BM, BN, MC, NC, PAIR_DT)
+            acc2 = _chunk_zeros(BM, BN, MC, NC, PAIR_DT)
             for r in range(REP):
                 h = kv * REP + r
                 # The next query head's dBias tile requested first (prefetch, as the query side);
