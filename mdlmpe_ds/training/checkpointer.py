@@ -9,7 +9,8 @@ A save (``Checkpointer.save``), in order:
   3. every rank fsyncs what it can see of the staging directory; barrier;
   4. rank 0 commits (``finalize``: manifest, COMPLETE, the atomic swap into ``step_N`` and
      ``latest``), then prunes beyond keep-last (only now that the new one is complete); barrier.
-A full disk anywhere in it is reported as one error naming the checkpoint (``disk_full_named``).
+A full disk or an exceeded quota anywhere in it is reported as one error naming the checkpoint
+(``disk_full_named``); any other failure there gains a note naming it.
 
 A resume (``Checkpointer.resume``): the checkpoint's model must be this run's; the callbacks may
 refuse it (LoRA: every adapter and MDLMPE key there); DeepSpeed loads its shards (its universal
@@ -220,34 +221,78 @@ def finalize(staging: Path, final: Path) -> None:
 
 @contextlib.contextmanager
 def disk_full_named(final: Path, last_good: Path | None) -> Iterator[None]:
-    """Turn a full disk during a save into one error that says so and names the checkpoint: torch's
-    writer reports it as "PytorchStreamWriter failed writing file ...: file write failed", without
-    the errno, so that case is decided by the free space left."""
+    """Turn a full disk or an exceeded quota during a save into one error that says which and
+    names the checkpoint. Torch's writer reports both as "PytorchStreamWriter failed writing file
+    ...: file write failed", without the errno; a small write beside the checkpoint then asks the
+    filesystem itself (``_space_errno``). Any other failure keeps its type and gains a note that
+    names the checkpoint and the one a resume would continue from."""
     try:
         yield
     except (OSError, RuntimeError) as err:
-        if not _out_of_space(err, final.parent):
+        code = _space_errno(err, final.parent)
+        resume_from = last_good or "the start"
+        if code is None:
+            err.add_note(
+                f"while saving checkpoint {final}: the partial save is removed at the next start, "
+                f"and --resume auto continues from {resume_from}"
+            )
             raise
+        what = "Disk quota exceeded" if code == errno.EDQUOT else "No space left on device"
+        fix = "raise the quota or free space under it" if code == errno.EDQUOT else "free space"
         raise OSError(
-            errno.ENOSPC,
-            f"No space left on device while saving checkpoint {final} "
-            f"({shutil.disk_usage(final.parent).free / 2**20:.0f} MiB free there): the partial save is "
-            f"removed at the next start; free space or move --output_dir, then --resume auto continues "
-            f"from {last_good or 'the start'}",
+            code,
+            f"{what} while saving checkpoint {final} "
+            f"({_free_mib(final.parent)} MiB free on its filesystem): the partial save is removed at "
+            f"the next start; {fix} or move --output_dir, then --resume auto continues from "
+            f"{resume_from}",
         ) from err
 
 
-def _out_of_space(err: BaseException, where: Path) -> bool:
+#: what ``_space_errno`` writes to ask the filesystem whether a save could go on (1 MiB: above
+#: the block and page sizes a quota or a nearly full disk still lets through).
+SPACE_PROBE_BYTES = 2**20
+
+
+def _space_errno(err: BaseException, where: Path) -> int | None:
+    """ENOSPC or EDQUOT when ``err`` is, or hides, a full disk or an exceeded quota; else None."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+        return err.errno
     if "No space left" in str(err):
-        return True
-    if "file write failed" in str(err) or "inline_container" in str(err):
+        return errno.ENOSPC
+    if "Disk quota exceeded" in str(err):
+        return errno.EDQUOT
+    if "file write failed" not in str(err) and "inline_container" not in str(err):
+        return None
+    # torch's writer: no errno. Write a probe beside the checkpoint and let its errno decide (a
+    # quota leaves the disk's free space untouched, so the free space alone cannot tell).
+    probe = where / f".space_probe.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            return shutil.disk_usage(where).free < 64 * 2**20
-        except OSError:
-            return False
-    return False
+            block = memoryview(bytes(SPACE_PROBE_BYTES))
+            while block:  # a short write near the limit: the next one raises its errno
+                block = block[os.write(fd, block) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as probe_err:
+        if probe_err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return probe_err.errno
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    try:
+        return errno.ENOSPC if shutil.disk_usage(where).free < 64 * 2**20 else None
+    except OSError:
+        return None
+
+
+def _free_mib(where: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(where).free / 2**20:.0f}"
+    except OSError:
+        return "?"
 
 
 def rng_state() -> dict[str, Any]:

@@ -206,9 +206,60 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
         checkpointer.disk_full_named(final, None),
     ):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
-    Usage.free = 10 * 2**30  # plenty of space: another failure, passed on as it is
-    with pytest.raises(RuntimeError, match="file write failed"), checkpointer.disk_full_named(final, None):
+    Usage.free = 10 * 2**30  # plenty of space: another failure keeps its type, with a note naming the save
+    with (
+        pytest.raises(RuntimeError, match="file write failed") as err,
+        checkpointer.disk_full_named(final, None),
+    ):
         ckpt.write_trainer_state(staging, 0, {"x": 1})
+    assert f"while saving checkpoint {final}" in "".join(err.value.__notes__)
+    assert not list(tmp_path.glob(".space_probe*")), "the probe write was left behind"
+
+    # a quota leaves the disk's free space as it was: the probe write beside the checkpoint decides
+    real_write = checkpointer.os.write
+    probed = []
+
+    def over_quota(fd, data):
+        probed.append(len(data))
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(checkpointer.os, "write", over_quota)
+    with pytest.raises(OSError) as err, checkpointer.disk_full_named(final, ckpt.step_dir(tmp_path, 4)):
+        ckpt.write_trainer_state(staging, 0, {"x": 1})
+    monkeypatch.setattr(checkpointer.os, "write", real_write)
+    assert probed == [checkpointer.SPACE_PROBE_BYTES]
+    assert err.value.errno == errno.EDQUOT
+    assert f"Disk quota exceeded while saving checkpoint {final}" in str(err.value)
+    assert "raise the quota" in str(err.value) and "step_000004" in str(err.value)
+    assert not list(tmp_path.glob(".space_probe*"))
+
+
+def test_a_really_full_filesystem_is_named_through_torchs_writer(tmp_path):
+    """The same on a real 1 MiB tmpfs (where this machine lets a test mount one): torch's writer
+    fails without an errno, and the probe write names the cause."""
+    import subprocess
+
+    import torch
+
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        final = ckpt.step_dir(mount, 2)
+        staging = ckpt.staging_dir(mount, 2)
+        staging.mkdir(parents=True)
+        with pytest.raises(OSError) as err, checkpointer.disk_full_named(final, None):
+            ckpt.write_trainer_state(staging, 0, {"weights": torch.zeros(2**20)})  # 4 MiB
+        assert err.value.errno == errno.ENOSPC
+        assert f"No space left on device while saving checkpoint {final}" in str(err.value)
+        assert isinstance(err.value.__cause__, RuntimeError | OSError)
+        assert not list(mount.glob(".space_probe*"))
+    finally:
+        err = None  # the traceback holds torch's open file: lazy unmount, once it is dropped
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 # ------------------------------------------------------------------------------------ stop in setup
