@@ -34,9 +34,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 #: ``triton-pair`` candidates: name -> ``PairLaunchConfig.uniform`` keywords (one tile, warps and
-#: register cap for all three kernels), or {} for the launcher's per-kernel settings.
-PAIR_CANDIDATES: dict[str, dict[str, int]] = {
+#: register cap for all three kernels), or ``PairLaunchConfig`` fields over the launcher's per-kernel
+#: settings ({}: those settings; ``pair_config``).
+PAIR_CANDIDATES: dict[str, dict[str, object]] = {
     "per_kernel": {},  # pair_launch_config: 16 x 8 / 8 warps, key side 32 x 8 / 8 warps / 128 registers
+    # the same with the forward's and the query side's pair arithmetic in fp16 (fewer instructions
+    # per head in their sm_90 code; its time is what this measures)
+    "per_kernel_half": {"half_pairs": ("pair_forward", "pair_backward_q")},
     "8x16w8": dict(tile_m=8, tile_n=16, num_warps=8, key_max_registers=128),  # the default until 2026-11-28
     "8x16w8_kreg255": dict(tile_m=8, tile_n=16, num_warps=8),
     "8x16w4": dict(tile_m=8, tile_n=16, num_warps=4, key_max_registers=128),
@@ -98,6 +102,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def pair_config(settings: dict[str, object]):
+    """The ``PairLaunchConfig`` of a ``PAIR_CANDIDATES`` entry."""
+    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig
+
+    return PairLaunchConfig.uniform(**settings) if "tile_m" in settings else PairLaunchConfig(**settings)
+
+
 def layer_step(
     backend: str, settings: dict[str, int], length: int, device: str = "cuda", heads: int = 32
 ) -> Callable[[], None]:
@@ -106,14 +117,13 @@ def layer_step(
     from bench_attention_gpu import layer_inputs
 
     from mdlmpe_ds.attention.triton.backend import triton_attention
-    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig
     from mdlmpe_ds.attention.triton.pair_backend import pair_bias_attention
 
     q, k, v, A, D, mlp, grad = layer_inputs(1, heads, heads, 128, length, torch.bfloat16, device)
     leaves = (q, k, v, *mlp.parameters())
     common = dict(tau_max=0.25, clip_kappa=1e-4)
     if backend == "triton-pair":
-        config = PairLaunchConfig.uniform(**settings) if settings else PairLaunchConfig()
+        config = pair_config(settings)
 
         def attention() -> torch.Tensor:
             return pair_bias_attention(q, k, v, A, D, mlp.params(), **common, launch=config)

@@ -22,13 +22,14 @@ import sweep_launch_gpu as sweep  # noqa: E402
 
 def test_every_candidate_is_a_setting_the_launchers_take():
     from mdlmpe_ds.attention.triton.backend import triton_attention
-    from mdlmpe_ds.attention.triton.launch import PAIR_KERNELS, PairLaunchConfig, pair_kernel_settings
+    from mdlmpe_ds.attention.triton.launch import HALF_PAIR_KERNELS, PAIR_KERNELS, pair_kernel_settings
 
     for name, settings in sweep.PAIR_CANDIDATES.items():
-        config = PairLaunchConfig.uniform(**settings) if settings else PairLaunchConfig()
+        config = sweep.pair_config(settings)
         for kernel in PAIR_KERNELS:
             own = pair_kernel_settings(config, kernel)
             assert own.tile_m * own.tile_n >= 16 and own.num_warps * 32 * own.max_registers <= 65536, name
+    assert sweep.pair_config(sweep.PAIR_CANDIDATES["per_kernel_half"]).half_pairs == HALF_PAIR_KERNELS
     accepted = set(inspect.signature(triton_attention).parameters)
     for name, settings in sweep.FUSED_CANDIDATES.items():
         assert set(settings) <= accepted, name

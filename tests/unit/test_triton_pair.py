@@ -59,6 +59,19 @@ PAIR_CASES = [
     # d_h 16: 4 MDLMPE pairs in chunks of 2, so each kernel's pair-chunk loop runs twice (as with
     # LLaDA's 32 pairs in chunks of 16 on a GPU); GQA 2:1.
     Case(21, pads=(0, 3), hq=4, hkv=2, head_dim=16, launch="tile=8"),
+    # PairLaunchConfig.half_pairs: the forward's and the query side's pair arithmetic in fp16 at the
+    # sm_90 settings (L = 42: ragged tiles); all three kernels' with two pair chunks and GQA 2:1.
+    Case(42, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", launch="sm90,half"),
+    Case(
+        26,
+        pads=(2,),
+        hq=2,
+        hkv=1,
+        active="1",
+        head_dim=16,
+        dtype="bfloat16",
+        launch="tile=8,keys=2,rows=2,half=all",
+    ),
 ]
 #: The backward's split loops forced: L = 52 at tile 8 is 7 row and 7 key tiles; 3 splits are
 #: 3 + 3 + 1 tiles (the last split ragged, its last tile too), 1 split the whole loop. Batch 2 with
@@ -76,14 +89,25 @@ SLOW_CASES = [Case(272, pads=(7,), hq=2, hkv=1, active="1", dtype="bfloat16", la
 
 
 def _launch(case: Case):
-    from mdlmpe_ds.attention.triton.launch import PairLaunchConfig, pair_launch_config
+    """The case's PairLaunchConfig. ',half' after the settings: the pair arithmetic of
+    ``HALF_PAIR_KERNELS`` in fp16; ',half=all': of all three kernels (``half_pairs``)."""
+    from dataclasses import replace
 
-    if case.launch == "sm90":
-        return pair_launch_config(case.head_dim, getattr(torch, case.dtype), 90)
-    tile, *splits = case.launch.removeprefix("tile=").split(",")
+    from mdlmpe_ds.attention.triton.launch import (
+        HALF_PAIR_KERNELS,
+        PAIR_KERNELS,
+        PairLaunchConfig,
+        pair_launch_config,
+    )
+
+    settings, *rest = case.launch.split(",half")
+    half = {"": HALF_PAIR_KERNELS, "=all": PAIR_KERNELS}[rest[0]] if rest else ()
+    if settings == "sm90":
+        return replace(pair_launch_config(case.head_dim, getattr(torch, case.dtype), 90), half_pairs=half)
+    tile, *splits = settings.removeprefix("tile=").split(",")
     forced = {"keys": "key_splits", "rows": "row_splits"}
     extra = {forced[k]: int(v) for k, v in (item.split("=") for item in splits)}
-    return PairLaunchConfig.uniform(int(tile), int(tile), pair_chunk=2, **extra)
+    return PairLaunchConfig.uniform(int(tile), int(tile), pair_chunk=2, half_pairs=half, **extra)
 
 
 def compare_pair(case: Case) -> dict[str, float]:
@@ -99,6 +123,42 @@ def compare_pair(case: Case) -> dict[str, float]:
     errors = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(OUTPUTS, want, got)}
     errors["scale"] = max(w.float().abs().max().item() for w in want[:4])
     return errors
+
+
+#: ',overflow' (``compare_half_fallback``): q and k scaled so that fp16 pair arithmetic overflows.
+OVERFLOW_CASE = Case(
+    21, pads=(0, 3), hq=2, hkv=1, active="1", dtype="bfloat16", launch="tile=8,half=all,overflow"
+)
+
+
+def compare_half_fallback(case: Case) -> dict[str, float]:
+    """q, k scaled by 2000 (|q| |k| per pair far above what fp16 holds): max abs difference of the
+    fp16 config (``half_pairs``) from the fp32 one, per output and gradient (0: the call ran in
+    fp32), and the same with ``half_pairs_fit`` forced to True ('forced:' names: fp16 as asked)."""
+    from dataclasses import replace
+
+    from mdlmpe_ds.attention.triton import pair_backend
+
+    q, k, *rest = _inputs(case)
+    with torch.no_grad():
+        q, k = (t.detach().mul(2000.0).requires_grad_() for t in (q, k))
+    run = attention_runner((q, k, *rest))
+    half = _launch(replace(case, launch=case.launch.removesuffix(",overflow")))
+    fp32 = replace(half, half_pairs=())
+    with poisoned_allocations():
+        want = run(pair_backend.pair_bias_attention, launch=fp32)
+        got = run(pair_backend.pair_bias_attention, launch=half)
+        fit = pair_backend.half_pairs_fit
+        pair_backend.half_pairs_fit = lambda *args: True
+        try:
+            forced = run(pair_backend.pair_bias_attention, launch=half)
+        finally:
+            pair_backend.half_pairs_fit = fit
+    diff = {n: (w.float() - g.float()).abs().max().item() for n, w, g in zip(OUTPUTS, want, got)}
+    diff.update(
+        {f"forced:{n}": (w.float() - g.float()).abs().max().item() for n, w, g in zip(OUTPUTS, want, forced)}
+    )
+    return diff
 
 
 def _interpret(cases: list[Case], timeout: int = 900) -> dict[str, dict[str, float]]:
@@ -122,6 +182,63 @@ def pair_results() -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: c.name)
 def test_pair_bias_matches_reference(pair_results, case):
     _check(case, pair_results[case.name])
+
+
+def test_half_pairs_fall_back_to_fp32_where_fp16_would_overflow():
+    """A call whose q, k are too large for fp16 runs the fp32 kernels bit for bit, and it must: the
+    same call forced into fp16 returns non-finite or far-off values."""
+    diff = _interpret([OVERFLOW_CASE])[OVERFLOW_CASE.name]
+    assert all(diff[n] == 0.0 for n in OUTPUTS), diff
+    forced = [diff[f"forced:{n}"] for n in OUTPUTS]
+    assert any(not value <= 1.0 for value in forced), diff  # NaN / inf or a wrong gradient
+
+
+def test_half_pairs_fit_bounds_what_the_fp16_kernels_form():
+    """At the largest q, k that ``half_pairs_fit`` accepts, the kernels' fp16 expressions (in numpy
+    fp16, every operation rounded) at their worst signs and phases stay finite with room to spare,
+    and the bound is not slack by more than the 2x margin it keeps; dBias's shift puts its largest
+    value in [1, 2)."""
+    import numpy as np
+
+    from mdlmpe_ds.attention.triton.pair_backend import HALF_LIMIT, dbias_shift, half_pairs_fit, pair_maxima
+
+    tau, chunks = 0.25, 2
+    h = np.float16
+    c = (1 - math.cos(tau)) + math.sin(tau)
+    # the largest accepted q_max = k_max, found by bisection
+    lo, hi = 1.0, 1e4
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if half_pairs_fit(mid, mid, mid * mid, tau, chunks) else (lo, mid)
+    x = h(lo)
+    assert not half_pairs_fit(lo * 1.01, lo * 1.01, (lo * 1.01) ** 2, tau, chunks)
+    worst = 0.0
+    for delta in np.linspace(-tau, tau, 41):
+        al, be = h(math.cos(delta) - 1), h(math.sin(delta))
+        for s1, s2 in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+            q1, q2, k1, k2 = x, h(s1) * x, x, h(s2) * x
+            u1, u2 = al * k1 - be * k2, al * k2 + be * k1
+            e = h(0)
+            for _ in range(chunks):  # the forward: summed over the pair chunks in fp16
+                e = e + (q1 * u1 + q2 * u2)
+            ds = h(1.999)
+            dq1, term = ds * u1, ds * (q2 * (k1 + u1) - q1 * (k2 + u2))  # the query side
+            dk1 = ds * (al * q1 + be * q2)  # the key side
+            worst = max(worst, *(abs(float(v)) for v in (e, dq1, term, dk1)))
+    assert np.isfinite(worst) and worst <= HALF_LIMIT
+    assert worst >= HALF_LIMIT / 4, "the bound is slacker than its 2x margin"
+    assert c < 0.29 and not half_pairs_fit(float("nan"), 1.0, 1.0, tau, chunks)
+    # per pair: an outlier of q in one pair and of k in another do not meet
+    assert half_pairs_fit(1000.0, 1000.0, 1000.0, tau, chunks) and not half_pairs_fit(
+        1000.0, 1000.0, 1e6, tau, chunks
+    )
+    qpair = torch.zeros(1, 2, 3, 4)  # [B, H, LP, 2 NMP]: NMP = 2 pairs
+    qpair[0, 1, 2, 3], qpair[0, 0, 1, 0] = -7.0, 5.0  # component 1 of pair 1; component 0 of pair 0
+    assert pair_maxima(qpair).tolist() == [5.0, 7.0]
+    for top in (3e-9, 1.9e-5, 0.7, 1.0, 5e3):
+        scaled = top * dbias_shift(torch.tensor([top, -top / 3]), 1.0)
+        assert 1.0 <= scaled < 2.0, top
+    assert dbias_shift(torch.zeros(3), 0.1) == 1.0 == dbias_shift(torch.tensor([float("inf")]), 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +469,6 @@ if __name__ == "__main__":
     results = {}
     for c in todo:
         start = time.perf_counter()
-        results[c.name] = compare_pair(c)
+        results[c.name] = compare_half_fallback(c) if c.launch.endswith(",overflow") else compare_pair(c)
         results[c.name]["seconds"] = time.perf_counter() - start
     print(json.dumps(results))

@@ -222,6 +222,10 @@ def kernel_options(kernel: str, config: LaunchConfig) -> dict[str, object]:
 #: The kernels of the ``triton-pair`` backend (``triton.pair_bias``): the bias forward, and the
 #: backward's query side (with the phase MLP) and key side.
 PAIR_KERNELS = ("pair_forward", "pair_backward_q", "pair_backward_k")
+#: The pair kernels whose per-head pair arithmetic gains from fp16 (``PairLaunchConfig.half_pairs``;
+#: sm_90 machine code, docs/gpu.md "the pair arithmetic in fp16"): the forward (117 instructions per
+#: head against 176) and the query side (420 against 461). The key side issues more in fp16.
+HALF_PAIR_KERNELS = ("pair_forward", "pair_backward_q")
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,18 @@ class PairLaunchConfig:
     #: 128 lets two 8-warp key-side CTAs share an SM's 64 K registers (measured: 7.4 ms at
     #: L = 2048 against 16.5 ms uncapped at 16 x 8, ``pair_launch_config``).
     key_max_registers: int = 128
+    #: The kernels (of PAIR_KERNELS) whose per-head pair arithmetic runs in fp16, packed two to a
+    #: register, every sum in fp32 (``pair_bias``'s PAIR_DT; e.g. HALF_PAIR_KERNELS). Not a default:
+    #: its speed is unmeasured. A call whose q, k are too large for fp16's range runs in fp32
+    #: (``pair_backend.half_pairs_fit``); the backward scales dBias by a power of two first.
+    half_pairs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.half_pairs if k not in PAIR_KERNELS]
+        if unknown or len(set(self.half_pairs)) != len(self.half_pairs):
+            raise ValueError(
+                f"PairLaunchConfig.half_pairs={self.half_pairs!r}: expected distinct names of {PAIR_KERNELS}"
+            )
 
     @classmethod
     def uniform(cls, tile_m: int, tile_n: int, num_warps: int = 8, max_registers: int = 255, **rest):

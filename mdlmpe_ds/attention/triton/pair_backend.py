@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from mdlmpe_ds.attention.common import check_inputs, masked_key_bias, repeat_kv, route_active_heads
 from mdlmpe_ds.attention.triton.backend import check_triton_available
 from mdlmpe_ds.attention.triton.launch import (
+    PAIR_KERNELS,
     PairLaunchConfig,
     device_capability,
     pair_backward_splits,
@@ -76,6 +77,45 @@ def pair_components(
     return out
 
 
+#: The largest value the fp16 pair arithmetic may form: fp16's largest (65,504), halved for margin.
+HALF_LIMIT = 32_752.0
+
+
+def half_pairs_fit(q_max: float, k_max: float, qk_max: float, tau_max: float, num_chunks: int) -> bool:
+    """Whether a call's pair arithmetic may run in fp16 (``PairLaunchConfig.half_pairs``), from the
+    largest pair component of q (``q_max``) and of k (``k_max``) and the largest product of one
+    pair's two (``qk_max`` = max over pairs m of q_max(m) k_max(m), ``pair_maxima``: an outlier
+    dimension of q rarely meets one of k in the same pair).
+
+    With c = max |alpha| + max |beta| (0.28 at tau_max 0.25), u = (alpha k1 - beta k2, alpha k2 +
+    beta k1) has |u| <= c k_max(m) per component, and per (i, j, pair) the kernels form at most:
+    the components; the forward's q1 u1 + q2 u2 summed over the num_chunks pair chunks,
+    2 c num_chunks qk_max; the query side's dE (q2 (k1 + u1) - q1 (k2 + u2)) with dE scaled below
+    2, 4 (1 + c) qk_max; the key side's dE (alpha q1 + beta q2), 2 c q_max. Every one must stay
+    under HALF_LIMIT; a NaN or inf anywhere is not a fit (the fp32 kernels then pass it on)."""
+    tau = abs(tau_max)
+    c = (1.0 - math.cos(min(tau, math.pi))) + math.sin(min(tau, math.pi / 2))
+    worst = max(q_max, k_max, 2 * c * num_chunks * qk_max, 4 * (1 + c) * qk_max, 2 * c * q_max)
+    return math.isfinite(worst) and worst <= HALF_LIMIT
+
+
+def pair_maxima(xpair: torch.Tensor) -> torch.Tensor:
+    """[B, H, LP, 2 NMP] (``pair_components``) -> [NMP]: the largest |component| of each pair."""
+    top = xpair.abs().amax(dim=(0, 1, 2))
+    return torch.maximum(top[: top.shape[0] // 2], top[top.shape[0] // 2 :])
+
+
+def dbias_shift(dbias: torch.Tensor, scale: float) -> float:
+    """A power of two that puts max |dBias * scale| in [1, 2): the fp16 backward's dE, whose
+    values (a softmax gradient, ~1 / L) fall below fp16's normal range (6.1e-5) unscaled. Exact,
+    undone in fp32 on the kernels' outputs. 1 for an all-zero or non-finite dBias."""
+    low, high = torch.aminmax(dbias)  # one pass, no |dBias| copy
+    top = max(-float(low), float(high)) * abs(scale)
+    if not math.isfinite(top) or top == 0.0:
+        return 1.0
+    return 2.0 ** -math.floor(math.log2(top))
+
+
 class _PairBias(torch.autograd.Function):
     """bias [B, Hq, L, L] in q's dtype = E * scale + kbias; gradients for q, k (their MDLMPE pair
     dims) and the phase MLP. Inputs contiguous; A, D and the MLP fp32; kbias [B, L] fp32."""
@@ -98,24 +138,46 @@ class _PairBias(torch.autograd.Function):
             tau_max=tau_max,
         )
 
-        def launch(kernel: str) -> dict[str, object]:
-            """Kernel ``kernel``'s constexprs (its own tile) and compile options."""
-            return {**pair_constexprs(**shapes, kernel=kernel), **pair_kernel_options(config, kernel)}
-
-        forward = launch("pair_forward")
-        padded, padded_pairs = pair_padded_length(config, length), forward["MC"] * forward["NC"]
+        chunking = pair_constexprs(**shapes, kernel="pair_forward")
+        padded, num_chunks = pair_padded_length(config, length), chunking["NC"]
+        padded_pairs = chunking["MC"] * num_chunks
         qpair = pair_components(q, pairs, padded, padded_pairs)
         kpair = pair_components(k, pairs, padded, padded_pairs)
+        # The kernels whose pair arithmetic runs in fp16 on this call: the config's, unless q, k
+        # are too large for fp16's range (then every kernel runs in fp32).
+        half = config.half_pairs
+        if half:
+            q_top, k_top = pair_maxima(qpair), pair_maxima(kpair)
+            q_max, k_max, qk_max = torch.stack([q_top.max(), k_top.max(), (q_top * k_top).max()]).tolist()
+            if not half_pairs_fit(q_max, k_max, qk_max, tau_max, num_chunks):
+                half = ()
+
+        def launch(kernel: str) -> dict[str, object]:
+            """Kernel ``kernel``'s constexprs (its own tile, the dtype of its pair arithmetic) and
+            compile options."""
+            pair_dt = kern.tl.float16 if kernel in half else kern.tl.float32
+            return {
+                **pair_constexprs(**shapes, kernel=kernel),
+                "PAIR_DT": pair_dt,
+                **pair_kernel_options(config, kernel),
+            }
+
+        def planes(kernel: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """The pair components as ``kernel`` loads them: fp16 where its arithmetic is fp16
+            (half the bytes, and the load layout its packed arithmetic uses)."""
+            return tuple(x.half() if kernel in half else x for x in xs)
+
         bias = torch.empty(batch, num_heads, length, length, dtype=q.dtype, device=q.device)
         tile = pair_kernel_settings(config, "pair_forward")
         grid = (math.ceil(length / tile.tile_m), math.ceil(length / tile.tile_n), batch)
         dims = (length, padded, num_heads, k.shape[1], head_dim // 2, w1.shape[0], len(pairs))
         kern.pair_bias_fwd_kernel[grid](
-            A, D, w1, b1, w2, b2, qpair, kpair, kbias, bias, *dims, scale, tau_max, clip_kappa,
-            **forward,
+            A, D, w1, b1, w2, b2, *planes("pair_forward", qpair, kpair), kbias, bias, *dims, scale,
+            tau_max, clip_kappa, **launch("pair_forward"),
         )  # fmt: skip
         ctx.save_for_backward(qpair, kpair, A, D, w1, b1, w2, b2)
         ctx.settings = (q.shape, k.shape, pairs, dims, (scale, tau_max, clip_kappa), launch, config)
+        ctx.half = (half, planes)
         return bias
 
     @staticmethod
@@ -152,18 +214,26 @@ class _PairBias(torch.autograd.Function):
         dw2 = torch.zeros(slots, *w2.shape, **f32)
         db2 = torch.zeros(slots, *b2.shape, **f32)
         mlp = (A, D, w1, b1, w2, b2)
+        half, planes = ctx.half
+        # An fp16 backward kernel takes dE = dBias * scale * shift (max |dE| in [1, 2)); its
+        # outputs are divided by the shift here, in fp32 (exact: a power of two).
+        shift = dbias_shift(dbias, consts[0]) if set(half) & set(PAIR_KERNELS[1:]) else 1.0
+        shifted = {k: (shift if k in half else 1.0) for k in PAIR_KERNELS[1:]}
+        q_consts, k_consts = ((consts[0] * shifted[k], *consts[1:]) for k in PAIR_KERNELS[1:])
         kern.pair_bias_bwd_q_kernel[(row_tiles, key_splits, batch)](
-            *mlp, qpair, kpair, dbias, dqpair, dw1, db1, dw2, db2, *dims, *consts, key_tiles,
-            **launch("pair_backward_q"),
+            *mlp, *planes("pair_backward_q", qpair, kpair), dbias, dqpair, dw1, db1, dw2, db2, *dims,
+            *q_consts, key_tiles, **launch("pair_backward_q"),
         )  # fmt: skip
         kern.pair_bias_bwd_k_kernel[(math.ceil(length / key_side.tile_n), row_splits, batch)](
-            *mlp, qpair, dbias, dkpair, *dims, *consts, row_tiles_each,
+            *mlp, *planes("pair_backward_k", qpair), dbias, dkpair, *dims, *k_consts, row_tiles_each,
             **launch("pair_backward_k"),
         )  # fmt: skip
         # torch's reductions over a dimension add in a fixed order on every device: deterministic.
-        dq = _scatter_pairs(dqpair.sum(0), pairs, q_shape)
-        dk = _scatter_pairs(dkpair.sum(0), pairs, k_shape)
-        return dq, dk, None, None, dw1.sum(0), db1.sum(0), dw2.sum(0), db2.sum(0), *(None,) * 5
+        unshift_q, unshift_k = (1.0 / shifted[k] for k in PAIR_KERNELS[1:])
+        dq = _scatter_pairs(dqpair.sum(0) * unshift_q, pairs, q_shape)
+        dk = _scatter_pairs(dkpair.sum(0) * unshift_k, pairs, k_shape)
+        mlp_grads = (g.sum(0) * unshift_q for g in (dw1, db1, dw2, db2))
+        return dq, dk, None, None, *mlp_grads, *(None,) * 5
 
 
 def _scatter_pairs(dpair: torch.Tensor, pairs: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -50,11 +50,12 @@ backward kernels; now 2, 4 and 22: the key side still sums its tiles over rows h
 warps). The backward kernels request the next head's dBias tile (streamed from
 HBM) before the current head's arithmetic, so that its latency overlaps it.
 
-PAIR_DT (a constexpr of all three kernels): the dtype of the per-head pair arithmetic. fp32 is what
-runs; every conversion it adds is then a no-op and the machine code is the recorded one. fp16 (pair
-components, alpha, beta, dE and their products packed two to a register; the sums over heads, key
-tiles and pair chunks in fp32) is a probe that nothing launches: benchmarks/gpu_cost/half_pairs.py
-measures its precision in the interpreter and its sm_90 machine code (docs/gpu.md).
+PAIR_DT (a constexpr of all three kernels): the dtype of the per-head pair arithmetic. fp32 by
+default; every conversion it adds is then a no-op and the machine code is the recorded one. fp16
+(``PairLaunchConfig.half_pairs``, opt-in: pair components, alpha, beta, dE and their products packed
+two to a register; every sum over heads, keys, rows and pair chunks in fp32, the cross-lane ones
+included; the backward's dE scaled by a power of two by the wrapper): its precision and sm_90
+machine code are in benchmarks/gpu_cost/half_pairs.py and docs/gpu.md; its speed is unmeasured.
 
 Layouts (contiguous, made by the wrapper): qpair [B, Hq, LP, 2 NMP], kpair [B, Hkv, LP, 2 NMP]
 fp32, component-major (``pair_backend.pair_components``: component 0 of pair m, dim 2m + 1, at m;
@@ -334,8 +335,8 @@ def pair_bias_bwd_q_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         dds = _chunk_zeros(BM, BN, MC, NC)
-        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head arithmetic in fp16,
-        be_h = _in_pair_dtype(betas, PAIR_DT)  # the sums over the heads and the key tiles in fp32
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head products in fp16,
+        be_h = _in_pair_dtype(betas, PAIR_DT)  # every sum (keys, heads, key tiles) in fp32
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
         #    (1 + alpha) S, summed over the heads, per chunk.
@@ -360,8 +361,10 @@ def pair_bias_bwd_q_kernel(
                 # tile, not each head's products once per head).
                 u1 = al_h[c] * k1 - be_h[c] * k2
                 u2 = al_h[c] * k2 + be_h[c] * k1
-                dq1 = tl.sum(ds * u1, axis=1).to(tl.float32)
-                _add_pairs(dq_rows + m[None, :], dq1, tl.sum(ds * u2, axis=1).to(tl.float32), NMP)
+                # The sums over the keys cross lanes: in fp32 (fp16 values are shuffled one at a
+                # time, unpacked and repacked around each shuffle: more instructions, not fewer).
+                dq1 = tl.sum((ds * u1).to(tl.float32), axis=1)
+                _add_pairs(dq_rows + m[None, :], dq1, tl.sum((ds * u2).to(tl.float32), axis=1), NMP)
                 # dE/d delta = dE ((1 + alpha) S - beta C) = dE (q2 (k1 + u1) - q1 (k2 + u2)).
                 term = (ds * (q2 * (k1 + u1) - q1 * (k2 + u2))).to(tl.float32)
                 summed = summed + (dds[c] + term,)  # noqa: RUF005
@@ -453,12 +456,12 @@ def pair_bias_bwd_k_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
-        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head arithmetic and the
-        be_h = _in_pair_dtype(betas, PAIR_DT)  # sums over a KV head's rows in fp16, then fp32
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head products in fp16,
+        be_h = _in_pair_dtype(betas, PAIR_DT)  # the sums over query heads and rows in fp32
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
-            acc1 = _chunk_zeros(BM, BN, MC, NC, PAIR_DT)
-            acc2 = _chunk_zeros(BM, BN, MC, NC, PAIR_DT)
+            acc1 = _chunk_zeros(BM, BN, MC, NC)
+            acc2 = _chunk_zeros(BM, BN, MC, NC)
             for r in range(REP):
                 h = kv * REP + r
                 # The next query head's dBias tile requested first (prefetch, as the query side);
@@ -475,8 +478,8 @@ def pair_bias_bwd_k_kernel(
                     # (alpha q1 + beta q2, alpha q2 - beta q1) first, then dE: alpha, beta meet the
                     # loaded components before the per-head dE (their layout is converted once
                     # per row tile, not each head's products once per head).
-                    new1 = new1 + (acc1[c] + ds * (al_h[c] * q1 + be_h[c] * q2),)  # noqa: RUF005
-                    new2 = new2 + (acc2[c] + ds * (al_h[c] * q2 - be_h[c] * q1),)  # noqa: RUF005
+                    new1 = new1 + (acc1[c] + (ds * (al_h[c] * q1 + be_h[c] * q2)).to(tl.float32),)  # noqa: RUF005
+                    new2 = new2 + (acc2[c] + (ds * (al_h[c] * q2 - be_h[c] * q1)).to(tl.float32),)  # noqa: RUF005
                 acc1 = new1
                 acc2 = new2
             for c in tl.static_range(NC):
