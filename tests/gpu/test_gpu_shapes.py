@@ -8,10 +8,11 @@ Every uninitialised torch allocation on the device is NaN (torch's
 ``fill_uninitialized_memory``), so an element that no kernel wrote fails the comparison.
 
 Both Triton backends run: ``triton`` (the fused kernels, the default on CUDA) and ``triton-pair``
-(the pair-bias kernels and SDPA with a bias). Each case compares the output and the gradients of
-q, k, v and the phase MLP's four tensors, as a max abs error relative to the largest value of the
-same reference tensor (tolerances: fp32 1e-3, the compiled kernels' summation order over up to
-2049 keys; bf16 3e-2, as on the CPU). Skipped cleanly without CUDA.
+(the pair-bias kernels and SDPA with a bias), the latter also with its fp16 pair arithmetic
+(``triton-pair-half``: ``PairLaunchConfig.half_pairs``; bf16 cases). Each case compares the output
+and the gradients of q, k, v and the phase MLP's four tensors, as a max abs error relative to the
+largest value of the same reference tensor (tolerances: fp32 1e-3, the compiled kernels'
+summation order over up to 2049 keys; bf16 3e-2, as on the CPU). Skipped cleanly without CUDA.
 """
 
 from __future__ import annotations
@@ -122,8 +123,14 @@ def gpu_errors(case: Case, backend: str) -> dict[str, float]:
         want = run(reference_attention)
         if backend == "triton":
             got = run(triton_attention, pair_buffer_bytes=_budget_bytes(case, inputs[0]))
-        else:
+        elif backend == "triton-pair":
             got = run(pair_bias_attention)
+        else:  # "triton-pair-half": PairLaunchConfig.half_pairs, the fp16 pair arithmetic
+            from mdlmpe_ds.attention.triton.launch import HALF_PAIR_KERNELS
+            from mdlmpe_ds.attention.triton.pair_backend import resolve_pair_launch
+
+            launch = replace(resolve_pair_launch(inputs[0]), half_pairs=HALF_PAIR_KERNELS)
+            got = run(pair_bias_attention, launch=launch)
     errors = {}
     for name, w, g in zip(OUTPUTS, want, got):
         scale = w.float().abs().max().item() or 1.0
@@ -139,9 +146,11 @@ def _check(case: Case, backend: str, errors: dict[str, float]) -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["triton", "triton-pair"])
+@pytest.mark.parametrize("backend", ["triton", "triton-pair", "triton-pair-half"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_compiled_backend_matches_reference(case, backend):
+    if backend == "triton-pair-half" and case.dtype == "float32":
+        pytest.skip("half_pairs applies to 16-bit inputs (fp32 runs the fp32 kernels)")
     errors = gpu_errors(case, backend)
     print(f"{backend} {case.name}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
     _check(case, backend, errors)

@@ -259,8 +259,9 @@ class PairLaunchConfig:
     key_max_registers: int = 128
     #: The kernels (of PAIR_KERNELS) whose per-head pair arithmetic runs in fp16, packed two to a
     #: register, every sum in fp32 (``pair_bias``'s PAIR_DT; e.g. HALF_PAIR_KERNELS). Not a default:
-    #: its speed is unmeasured. A call whose q, k are too large for fp16's range runs in fp32
-    #: (``pair_backend.half_pairs_fit``); the backward scales dBias by a power of two first.
+    #: its speed is unmeasured. A call with fp32 inputs, or whose q, k are too large for fp16's
+    #: range (``pair_backend.half_pairs_fit``), runs in fp32; the backward shifts dBias by a power
+    #: of two first.
     half_pairs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

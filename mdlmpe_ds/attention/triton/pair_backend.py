@@ -143,9 +143,10 @@ class _PairBias(torch.autograd.Function):
         padded_pairs = chunking["MC"] * num_chunks
         qpair = pair_components(q, pairs, padded, padded_pairs)
         kpair = pair_components(k, pairs, padded, padded_pairs)
-        # The kernels whose pair arithmetic runs in fp16 on this call: the config's, unless q, k
-        # are too large for fp16's range (then every kernel runs in fp32).
-        half = config.half_pairs
+        # The kernels whose pair arithmetic runs in fp16 on this call: the config's, in 16-bit
+        # training only (fp32 inputs ask for fp32 numbers), unless q, k are too large for fp16's
+        # range (then every kernel runs in fp32).
+        half = config.half_pairs if q.dtype != torch.float32 else ()
         if half:
             q_top, k_top = pair_maxima(qpair), pair_maxima(kpair)
             q_max, k_max, qk_max = torch.stack([q_top.max(), k_top.max(), (q_top * k_top).max()]).tolist()
