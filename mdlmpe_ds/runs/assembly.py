@@ -20,10 +20,12 @@ from mdlmpe_ds.hub.resolve import local_run, recorded_tokenizer, resolution
 from mdlmpe_ds.runs.common import (
     build_engine,
     check_resume_data,
+    clear_overwritten,
     dry_run_plan,
     load_tokenizer_dir,
     model_config_for,
     prepare_resume,
+    set_newer_aside,
     total_updates_for,
 )
 from mdlmpe_ds.training.callbacks import callbacks_for
@@ -148,6 +150,7 @@ def assemble_and_train(
     )
     tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
     resolved = resolution(run, inputs.local, inputs.tokenizer_dir, inputs.source)
+    clear_overwritten(resume, run)  # only now: inputs, data, model and engine are all ready
     trainer = make_trainer(
         run,
         engine,
@@ -160,6 +163,7 @@ def assemble_and_train(
         faults,
         resolved,
     )
+    set_newer_aside(resume_from, run)  # the checkpoint has loaded: every check has passed
     summary = trainer.train()
     summary.update(
         {"total_updates": total, "tokenizer": inputs.tokenizer_dir, "output_dir": run.train.output_dir}

@@ -184,36 +184,84 @@ def assert_same_on_all_ranks(fingerprint: str, what: str) -> None:
         raise RuntimeError(f"{what} (fingerprints {[bytes(g.tolist()).hex()[:16] for g in gathered]})")
 
 
+def earlier_run(output_dir: str | Path) -> list[str]:
+    """What another run left in ``output_dir`` (names): its checkpoint directories, a non-empty
+    metrics.jsonl, a non-empty tensorboard/. The history counts as much as the checkpoints: a run
+    whose checkpoints were deleted after its export still has its only record there."""
+    out = Path(output_dir)
+    found = [p.name for p in ckpt.existing_run(out)]
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append("metrics.jsonl")
+    board = out / "tensorboard"
+    if board.is_dir() and any(board.iterdir()):
+        found.append("tensorboard/")
+    return found
+
+
+def starts_new_history(resume: str | None, output_dir: str | Path) -> bool:
+    """Whether this run writes a new history into ``output_dir``: it does not resume, or it resumes
+    from a checkpoint outside ``output_dir`` (another run's, continued here)."""
+    if resume is None:
+        return True
+    if resume == "auto":
+        return False
+    return not Path(resume).resolve().is_relative_to(Path(output_dir).resolve())
+
+
 def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False) -> None:
-    """Rank 0, then everyone: finish or discard what a killed save left; refuse (or, with
-    train.overwrite_output_dir, clear) an output_dir holding another run's checkpoints when this run
-    does not resume. A dry run only checks."""
+    """Rank 0, then everyone: finish or discard what a killed save left; refuse an output_dir
+    holding another run (``earlier_run``) when this run starts a new history there
+    (``starts_new_history``), unless train.overwrite_output_dir, whose deletion waits for
+    ``clear_overwritten``: after the data, the model and the engine are built, so that a typo in
+    the command does not cost the earlier run. A dry run only checks."""
     t = run.train
     if process_group.rank() == 0:
         if not dry_run:  # before anything in output_dir is touched (run_lock.py)
             run_lock.acquire(t.output_dir, log=log.warning)
         for action in [] if dry_run else ckpt.recover_interrupted(t.output_dir):
             log.info(action)
-        existing = ckpt.existing_run(t.output_dir)
-        if resume is None and existing:
+        earlier = earlier_run(t.output_dir)
+        if earlier and starts_new_history(resume, t.output_dir):
             if not t.overwrite_output_dir:
-                names = ", ".join(p.name for p in existing)
+                source = "" if resume is None else f", and --resume {resume} is a checkpoint outside it"
                 raise FileExistsError(
-                    f"{t.output_dir} already holds checkpoints of a run ({names}). "
+                    f"{t.output_dir} already holds a run ({', '.join(earlier)}){source}. "
                     f"Continue it with --resume auto, or start over with --overwrite_output_dir true "
-                    f"(deletes its checkpoints, metrics and TensorBoard logs), or pick another --output_dir"
+                    f"(deletes its checkpoints, metrics and TensorBoard logs once this run's data, "
+                    f"model and engine are ready), or pick another --output_dir"
                 )
-            out = Path(t.output_dir)
-            if dry_run:
-                log.info(f"--overwrite_output_dir: the run would delete the earlier run in {out}")
-                return
+            verb = "would delete" if dry_run else "will delete, once the data, model and engine are ready,"
+            log.info(f"--overwrite_output_dir: the run {verb} the earlier run in {t.output_dir}")
+    process_group.barrier()
+    if not dry_run:
+        check_output_dir_shared(t.output_dir)
+
+
+def clear_overwritten(resume: str | None, run: RunConfig) -> None:
+    """Collective, after the engine is built and before the trainer writes anything: with
+    train.overwrite_output_dir, delete the earlier run that ``prepare_output_dir`` found (its
+    checkpoints, metrics.jsonl and TensorBoard logs)."""
+    t = run.train
+    if process_group.rank() == 0 and t.overwrite_output_dir and starts_new_history(resume, t.output_dir):
+        out = Path(t.output_dir)
+        if earlier_run(out):
             for stale in (ckpt.checkpoints_root(out), out / "tensorboard"):
                 shutil.rmtree(stale, ignore_errors=True)
             (out / "metrics.jsonl").unlink(missing_ok=True)
             log.info(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
     process_group.barrier()
-    if not dry_run:
-        check_output_dir_shared(t.output_dir)
+
+
+def set_newer_aside(resume_from: Path | None, run: RunConfig) -> None:
+    """Collective, once the trainer has loaded ``resume_from`` (every check passed): checkpoints
+    newer than it move to checkpoints/superseded/ (checkpoint.supersede_newer). Not before: a
+    resume refused by any check (another model, data, world size) must leave them where
+    ``--resume auto`` finds them."""
+    if resume_from is not None and process_group.rank() == 0:
+        for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
+            log.info(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
+    process_group.barrier()
 
 
 #: Seconds a rank keeps looking for the run lock rank 0 wrote before calling output_dir unshared
@@ -266,9 +314,9 @@ def prepare_resume(
 ) -> Path | None:
     """The checkpoint to resume from (None: a fresh run), verified against its manifest and checked
     against this run's config (resume_changes.py: ``allow_changes`` are the keys of
-    --allow_config_change) and model before any data or engine work; checkpoints newer than it are
-    moved aside (checkpoint.supersede_newer); a checkpoint of another world size switches the
-    engine to its universal copy."""
+    --allow_config_change) and model before any data or engine work (checkpoints newer than it are
+    moved aside only once it has loaded: ``set_newer_aside``); a checkpoint of another world size
+    switches the engine to its universal copy."""
     prepare_output_dir(resume, run, dry_run)
     resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.info)
     process_group.barrier()  # every rank has verified before rank 0 may move anything
@@ -278,10 +326,6 @@ def prepare_resume(
     allowed = resume_changes.parse_allowed(allow_changes)
     for line in resume_changes.check_resume_config(saved.run_config, run.to_dict(), allowed, resume_from):
         log.info(line)
-    if process_group.rank() == 0 and not dry_run:
-        for moved in ckpt.supersede_newer(run.train.output_dir, resume_from):
-            log.info(f"moved {moved.name} aside to {moved} (newer than the checkpoint resumed from)")
-    process_group.barrier()
     ckpt.check_same_model(saved, model_config.to_dict())
     world = process_group.world_size()
     if saved.world_size != world:

@@ -101,17 +101,27 @@ def _steps(out) -> list[int]:
 
 def test_resave_over_existing_step_is_atomic(sft_straight, sft_data, tmp_path):
     """Resuming from step 4 while step 8 exists: 8 is set aside; the re-save of 8 is killed after
-    its shards; `--resume auto` then continues from 4 (never the set-aside or half-written 8)."""
+    its shards; `--resume auto` then continues from 4 (never the set-aside or half-written 8).
+    Before that, two commands that fail must cost nothing: a resume of step 4 that is refused
+    (another --max_len) leaves step 8 where it was, and --overwrite_output_dir true with a
+    misspelt dataset deletes nothing."""
     out = tmp_path / "resave"
     copy_run(sft_straight, out)
     args = [*sft_data, *BASE_ARGS, "--output_dir", str(out)]
     # Without --resume, a run refuses an output_dir that holds checkpoints.
     fresh = launch(args)
-    assert fresh.returncode != 0 and "already holds checkpoints" in fresh.stderr
+    assert fresh.returncode != 0 and "already holds a run (step_000004, step_000008" in fresh.stderr
     assert "--overwrite_output_dir true" in fresh.stderr
-    killed = launch([*args, "--resume", str(out / "checkpoints" / "step_000004")], faults={"kill_in_save": 8})
-    assert killed.returncode != 0
+    four = str(out / "checkpoints" / "step_000004")
+    refused = launch([*args, "--max_len", "64", "--resume", four])
+    assert refused.returncode != 0 and "max_seq_len" in refused.stderr
+    typo = launch([*args, "--dataset", str(tmp_path / "chat_typo.jsonl"), "--overwrite_output_dir", "true"])
+    assert typo.returncode != 0 and "chat_typo.jsonl" in typo.stderr
     ckpts = out / "checkpoints"
+    assert (ckpts / "step_000008" / "COMPLETE").is_file() and not (ckpts / "superseded").exists()
+    assert (ckpts / "latest").read_text().strip() == "step_000008" and _steps(out) == list(range(1, 9))
+    killed = launch([*args, "--resume", four], faults={"kill_in_save": 8})
+    assert killed.returncode != 0
     assert not (ckpts / "step_000008").exists() and (ckpts / "step_000008.saving").is_dir()
     assert [p.name.split("-")[0] for p in (ckpts / "superseded").iterdir()] == ["step_000008"]
     resumed = launch([*args, "--resume", "auto"])

@@ -112,7 +112,7 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
 
 def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
     from mdlmpe_ds.config.cli import build_config
-    from mdlmpe_ds.runs.common import prepare_output_dir
+    from mdlmpe_ds.runs.common import clear_overwritten, prepare_output_dir
 
     save(tmp_path, 2)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -123,8 +123,39 @@ def test_fresh_run_into_a_run_directory_is_refused(tmp_path):
     overwrite = build_config(None, ["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"])
     prepare_output_dir(None, overwrite, dry_run=True)  # a dry run deletes nothing
     assert ckpt.step_dir(tmp_path, 2).is_dir()
-    prepare_output_dir(None, overwrite)
+    prepare_output_dir(None, overwrite)  # nor does the check: a typo later must not cost the run
+    assert ckpt.step_dir(tmp_path, 2).is_dir() and (tmp_path / "metrics.jsonl").exists()
+    clear_overwritten(None, overwrite)  # once the data, model and engine are ready
     assert not ckpt.checkpoints_root(tmp_path).exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_history_without_checkpoints_is_a_run_and_so_is_a_foreign_resume(tmp_path):
+    """A run whose checkpoints were deleted (after its export) keeps its only record in
+    metrics.jsonl and tensorboard/: a fresh run there is refused, not truncating it. Resuming
+    another directory's checkpoint into a directory that holds a run would mix two histories: refused
+    too; into an empty one, fine."""
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.common import earlier_run, prepare_output_dir, starts_new_history
+
+    out, other = tmp_path / "out", tmp_path / "other"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = build_config(None, ["--output_dir", str(out)])
+    with pytest.raises(FileExistsError, match=r"already holds a run \(metrics.jsonl\)"):
+        prepare_output_dir(None, run)
+    (out / "metrics.jsonl").write_text("")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    assert earlier_run(out) == ["tensorboard/"]
+    foreign = str(save(other, 8))
+    assert starts_new_history(foreign, out) and not starts_new_history("auto", out)
+    assert not starts_new_history(str(out / "checkpoints" / "step_000004"), out)
+    with pytest.raises(
+        FileExistsError, match=r"tensorboard/\), and --resume .*step_000008 is a checkpoint outside it"
+    ):
+        prepare_output_dir(foreign, run)
+    empty = build_config(None, ["--output_dir", str(tmp_path / "empty")])
+    prepare_output_dir(foreign, empty)
 
 
 def test_history_keeps_each_update_once(tmp_path):
