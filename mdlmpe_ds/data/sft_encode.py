@@ -54,8 +54,10 @@ from mdlmpe_ds.data.sft_rows import (
     conversation_pairs,
     iter_rows,
     load_sft_rows,
+    local_data_files,
     row_messages,
 )
+from mdlmpe_ds.hub.resolve import split_dataset_name
 from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -250,7 +252,7 @@ def build_sft_dataset(
             kept_prompt_lens.append(len(p_ids))
         pending.clear()
 
-    for index, row in enumerate(iter_rows(source, split)):
+    for index, (origin, origin_row, row) in enumerate(iter_rows(source, split)):
         if max_rows is not None and index >= max_rows:
             break
         stop_request.poll(f"tokenising {source} (row {index})")  # Ctrl-C / SIGTERM stop here
@@ -258,9 +260,9 @@ def build_sft_dataset(
         if isinstance(row, BadLine):
             line = "" if row.line is None else f" (line {row.line})"
             if not skip_malformed:
-                raise SFTDataError(f"{source}: row {index}{line} {row.detail}")
+                raise SFTDataError(f"{origin}: row {origin_row}{line} {row.detail}")
             if stats.skipped < LOGGED_BAD_LINES:
-                logger.warning("%s: skipping row %d%s: it %s", source, index, line, row.detail)
+                logger.warning("%s: skipping row %d%s: it %s", origin, origin_row, line, row.detail)
             stats.skipped += 1
             reasons[row.kind] += 1
             continue
@@ -272,7 +274,7 @@ def build_sft_dataset(
             ]
         except Malformed as e:
             if not skip_malformed:
-                raise SFTDataError(f"{source}: row {index}: {e}") from None
+                raise SFTDataError(f"{origin}: row {origin_row}: {e}") from None
             stats.skipped += 1
             reasons[str(e)] += 1
             continue
@@ -304,14 +306,19 @@ def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], spl
     """sha256 over the source identity, the tokenizer (vocabulary, merges, template) and the settings.
 
     A local file is identified by resolved path and the SHA-256 of its bytes (content, not names: an
-    edit in place that keeps the size and the mtime gives another key); a hub dataset or local dataset
-    directory by its name, split and the ``datasets`` fingerprint of the split (for a hub dataset
-    derived from the revision resolved: a new upload gives another key). ``datasets`` itself does
-    not notice files of a local directory edited in place: clear its cache and this one for that.
+    edit in place that keeps the size and the mtime gives another key); a local dataset directory
+    likewise by each of its files of the split (``local_data_files``); a hub dataset by its name,
+    split and the ``datasets`` fingerprint of the split (derived from the revision resolved: a new
+    upload gives another key).
     """
     path = Path(str(source))
+    name, config = split_dataset_name(str(source))
     if path.is_file():
         ident: dict[str, Any] = {"path": str(path.resolve()), "sha256": file_sha256(path)}
+    elif Path(name).is_dir():  # its files of the split, each by content
+        files = local_data_files(name, split, config)
+        ident = {"dir": str(Path(name).resolve()), "config": config, "split": split}
+        ident["files"] = {str(f.resolve()): file_sha256(f) for f in files}
     else:
         rows = load_sft_rows(source, split)
         ident = {

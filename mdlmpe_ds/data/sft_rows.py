@@ -156,21 +156,71 @@ def _json_array_rows(path: str, data: bytes, first_line: int, offset: int) -> It
             yield row
 
 
-def iter_rows(source: str | Path, split: str) -> Iterator[Any]:
-    """Rows of ``source``: local JSON files through ``_json_rows``, the rest through ``datasets``.
+class Located(NamedTuple):
+    """One raw row and where it came from: the file (or hub name) and its 0-based row there."""
+
+    origin: str
+    index: int
+    row: Any
+
+
+def local_data_files(directory: str | Path, split: str, config: str | None = None) -> list[Path]:
+    """The files of ``split`` (of ``config``) in a local dataset directory, as ``datasets`` picks them
+    (a hub-shaped README's ``configs``, else its split patterns: "train*" files for train, every
+    file when no name says a split); each must be .json, .jsonl or .parquet.
+
+    Why not ``datasets.load_dataset(directory)``: its JSON reader coerces a row whose field has
+    another type than the shard's first rows (a content of 5 among strings) by JSON-encoding the
+    whole shard's values, so every row of that shard trains on quoted text, and a line that is not
+    JSON fails the build naming no file or line. Read file by file here, a bad row is named."""
+    import datasets
+
+    try:
+        data_files = datasets.load_dataset_builder(str(directory), config).config.data_files or {}
+    except (FileNotFoundError, ValueError) as e:
+        raise SFTDataError(f"{directory}: not a readable dataset directory ({e})") from None
+    if split not in data_files:
+        found = ", ".join(sorted(str(k) for k in data_files)) or "none"
+        raise SFTDataError(
+            f"{directory}: no files of split {split!r} in the directory (splits found: {found})"
+        )
+    paths = sorted(Path(f) for f in data_files[split])
+    unsupported = [p for p in paths if p.suffix.lower() not in LOCAL_FORMATS]
+    if unsupported:
+        raise SFTDataError(
+            f"{directory}: unsupported SFT file type in the directory: {unsupported[0]} "
+            "(use .json, .jsonl or .parquet files)"
+        )
+    return paths
+
+
+def iter_rows(source: str | Path, split: str) -> Iterator[Located]:
+    """Rows of ``source`` with their origin: local JSON files through ``_json_rows``, local parquet
+    through ``datasets`` one file at a time, a local directory file by file (``local_data_files``),
+    a hub dataset through ``datasets``.
 
     A local file of 0 bytes is an error naming it (``datasets`` gives "generator raised
     StopIteration" for it)."""
     source = str(source)
-    fmt = _local_format(source)
-    if fmt is not None and os.path.getsize(source) == 0:
-        raise SFTDataError(f"{source}: the file is empty (0 bytes)")
-    if fmt == "json":
-        yield from _json_rows(source)
+    name, config = split_dataset_name(source)  # "DIR:all" names config "all" of a local directory
+    if Path(name).is_dir():
+        files = [str(p) for p in local_data_files(name, split, config)]
+    elif _local_format(source) is not None:
+        files = [source]
+    else:
+        for index, row in enumerate(load_sft_rows(source, split)):
+            yield Located(source, index, row)
         return
-    if fmt == "parquet":
-        _check_parquet(source)
-    yield from load_sft_rows(source, split)
+    for path in files:
+        if os.path.getsize(path) == 0:
+            raise SFTDataError(f"{path}: the file is empty (0 bytes)")
+        if _local_format(path) == "json":
+            rows: Iterator[Any] = _json_rows(path)
+        else:
+            _check_parquet(path)
+            rows = iter(load_sft_rows(path, split))
+        for index, row in enumerate(rows):
+            yield Located(path, index, row)
 
 
 def _check_parquet(path: str) -> None:

@@ -777,9 +777,43 @@ def test_cache_writers_on_two_nodes_never_share_a_temporary_file(tmp_path, llada
     assert len(list(cache.glob("sft-*.npz"))) == 1 and not list(cache.glob("*.tmp.*"))
 
 
-def test_cache_of_a_dataset_directory_is_keyed_by_its_datasets_fingerprint(tmp_path, llada_tok, monkeypatch):
-    """A hub-shaped dataset (here a local copy, the same ``datasets`` call as the hub) is cached
-    under its name and ``datasets`` fingerprint: a restart loads it, other data is another entry."""
+def test_a_directory_of_shards_is_read_file_by_file_and_names_the_bad_row(tmp_path, llada_tok):
+    """A directory of JSONL shards: a row whose content is a number is named by file and row (read
+    through ``datasets``, the whole shard's contents became JSON-quoted strings and trained); a line
+    that is not JSON is named by file and line, and skipped with skip_malformed; the split follows
+    ``datasets``' file names (test.jsonl is not training data); an in-place edit of a shard is
+    another cache entry."""
+    good = json.dumps({"messages": CONV}) + "\n"
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl").write_text(good * 3)
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}
+    (shards / "b.jsonl").write_text(good * 2 + json.dumps(bad) + "\n" + good)
+    with pytest.raises(SFTDataError, match=r"b\.jsonl: row 2: message 1 \(assistant\) content is int"):
+        build_sft_dataset(str(shards), llada_tok, "llada", max_len=512)
+    (shards / "b.jsonl").write_text(good * 2 + '{"messages": [\n' + good)
+    with pytest.raises(SFTDataError, match=r"b\.jsonl: row 2 \(line 3\) is not valid JSON"):
+        build_sft_dataset(str(shards), llada_tok, "llada", max_len=512)
+    built, stats = build_sft_dataset(str(shards), llada_tok, "llada", max_len=512, skip_malformed=True)
+    assert len(built) == 6 and stats.skipped == 1
+    reference, _ = build_sft_dataset(str(shards / "a.jsonl"), llada_tok, "llada", max_len=512)
+    assert built[0] == reference[0]  # the same example as from the file alone
+    (shards / "train.jsonl").write_text(good)
+    (shards / "test.jsonl").write_text(good * 5)
+    (shards / "a.jsonl").unlink()
+    (shards / "b.jsonl").unlink()
+    cache = tmp_path / "cache"
+    only_train, _ = build_sft_dataset(str(shards), llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(only_train) == 1
+    (shards / "train.jsonl").write_text(good * 2)  # edited in place
+    edited, _ = build_sft_dataset(str(shards), llada_tok, "llada", max_len=512, cache_dir=cache)
+    assert len(edited) == 2 and len(list(cache.glob("sft-*.npz"))) == 2
+
+
+def test_cache_of_a_dataset_directory_is_keyed_by_its_files(tmp_path, llada_tok, monkeypatch):
+    """A hub-shaped dataset (here a local copy: a README's configs map splits to parquet shards) is
+    read through its files and cached under their contents: a restart loads it, other data is
+    another entry."""
     import sys
     from pathlib import Path
 
