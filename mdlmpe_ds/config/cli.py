@@ -414,11 +414,19 @@ def from_mapping(data: dict[str, Any], source: str = "config", base: RunConfig |
 def configure(base: RunConfig, config_file: str | None, overrides: dict[str, Any]) -> RunConfig:
     """``base`` (a launcher's complete config) <- config file <- command-line ``overrides`` (from
     ``parse``), validated; ``base`` itself is not changed. ``data.dataset_config`` is written into
-    ``data.dataset`` as ``name:config``, the one form runs and checkpoints record."""
+    ``data.dataset`` as ``name:config``, the one form runs and checkpoints record. A
+    ``train.epochs`` given (file or command line) without ``train.max_steps`` sets max_steps to
+    None, so that the epochs decide the run's length."""
     config = base
+    from_file = load_config_file(config_file) if config_file is not None else {}
     if config_file is not None:
-        config = apply(config, load_config_file(config_file), str(config_file))
+        config = apply(config, from_file, str(config_file))
     config = apply(config, overrides, "command line")
+    given = {**from_file, **overrides}
+    if "train.epochs" in given and "train.max_steps" not in given and config.train.max_steps is not None:
+        # train.max_steps has a default (40) and wins over epochs whenever it is set: an epochs
+        # the user gave without max_steps would otherwise be ignored without a word.
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=None))
     d = config.data
     if d.dataset_config:  # a hub dataset's config name is written into data.dataset as name:config
         folded = dataclasses.replace(

@@ -186,7 +186,9 @@ class TrainConfig:
     micro_batch_size: int = doc(4, "sequences per rank per forward (must agree with the ds config)")
     grad_accum: int = doc(1, "micro-batches accumulated per optimizer update")
     max_steps: int | None = doc(40, "optimizer updates; None: `epochs` over the data decide")
-    epochs: float = doc(1.0, "passes over the data when max_steps is None")
+    epochs: float = doc(
+        1.0, "passes over the data when max_steps is None (giving epochs without max_steps sets it None)"
+    )
     stop_at: int | None = doc(
         None,
         "stop with a checkpoint after this update though the schedule spans max_steps (time-limited "

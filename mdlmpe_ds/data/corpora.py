@@ -261,7 +261,7 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"pretraining text file {f} does not exist")
-            for doc in split_documents(f.read_text(encoding="utf-8"), mode):
+            for doc in split_documents(_read_utf8(f), mode):
                 yield detok(doc) if detok else doc
 
     source = {
@@ -271,6 +271,20 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
         "corpus": name,
     }
     return texts, source
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of a pretraining file; bytes that are not UTF-8 are an error naming the file, the
+    line and the byte offset (Python's names neither the file nor the line)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"pretraining text file {path} is not valid UTF-8: byte 0x{data[e.start]:02x} at line "
+            f"{line}, byte offset {e.start}. Convert it (e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
 
 
 def _dataset_texts(path, config, split, data_files, column, max_documents) -> Iterator[str]:

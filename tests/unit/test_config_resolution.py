@@ -47,3 +47,20 @@ def test_launcher_configs_are_new_each_time():
         sft.model.model_name_or_path == "GSAI-ML/LLaDA-8B-Base"
         and RunConfig().model.model_name_or_path is None
     )
+
+
+def test_epochs_given_without_max_steps_decide_the_length(tmp_path):
+    """max_steps has a default (40) that wins over epochs: an --epochs given alone was ignored
+    without a word (40 updates, about 5 epochs of the probe's data). Given alone, from the command
+    line or a config file, epochs now decide; given with max_steps, max_steps does; neither given,
+    the default 40."""
+    from mdlmpe_ds.config.cli import build_config
+
+    assert build_config(None, ["--epochs", "1"]).train.max_steps is None
+    assert build_config(None, ["--epochs", "1", "--max_steps", "7"]).train.max_steps == 7
+    assert build_config(None, []).train.max_steps == 40
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  epochs: 2\n")
+    from_file = build_config(str(config), [])
+    assert from_file.train.max_steps is None and from_file.train.epochs == 2
+    assert build_config(str(config), ["--max_steps", "5"]).train.max_steps == 5

@@ -102,3 +102,15 @@ def test_corruption_draws_depend_only_on_seed_and_index():
     t_pin, u_pin = corruption_draws(7, [3], 2)
     assert float(t_pin[0]) == 0.7373528251156954
     assert u_pin[0].tolist() == [0.10756688693770555, 0.41255843359866096]
+
+
+def test_a_text_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """Python's UnicodeDecodeError names neither the file nor the line: in a directory of many
+    .txt files the user could not find it."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    (tmp_path / "a.txt").write_text("fine\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"one\ntwo\ncaf" + b"\xe9\r\n")
+    texts, _ = corpus_documents(str(tmp_path))
+    with pytest.raises(ValueError, match=r"b\.txt is not valid UTF-8: byte 0xe9 at line 3, byte offset 11"):
+        list(texts())
