@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from mdlmpe_ds import stop_request
+from mdlmpe_ds.data import special_text
 from mdlmpe_ds.data.chat_templates import ChatTemplate, Message, template_for
 from mdlmpe_ds.data.fingerprint import file_sha256
 from mdlmpe_ds.data.sft_rows import (
@@ -84,12 +85,14 @@ class SFTDataStats:
     truncated: int = 0  # kept with a truncated response
     dropped: int = 0  # dropped: prompt alone does not fit, or overlong with overlong="drop"
     skip_reasons: dict[str, int] = field(default_factory=dict)
+    special_text: int = 0  # rows quoting a special token's spelling, encoded as text (special_text.py)
 
     def summary(self) -> str:
+        quoted = f", {self.special_text} quoting special tokens as text" if self.special_text else ""
         return (
             f"{self.rows} rows -> {self.examples} examples "
             f"({self.truncated} truncated, {self.dropped} dropped as too long, "
-            f"{self.skipped} malformed skipped)"
+            f"{self.skipped} malformed skipped{quoted})"
         )
 
 
@@ -233,12 +236,22 @@ def build_sft_dataset(
     kept_prompt_lens: list[int] = []
     pending: list[tuple[str, str]] = []
 
+    spellings = special_text.special_spellings(tokenizer)
+
     def flush() -> None:
+        """Tokenise the pending (prompt, response) texts in one batch (a row that quotes a special
+        token's spelling comes already as ids, ``special_text``), then keep them in order."""
         if not pending:
             return
-        prompts = tokenizer([p for p, _ in pending], add_special_tokens=False)["input_ids"]
-        responses = tokenizer([r for _, r in pending], add_special_tokens=False)["input_ids"]
-        for p_ids, r_ids in zip(prompts, responses, strict=True):
+        texts = [pair for pair in pending if isinstance(pair[0], str)]
+        prompts = iter(
+            tokenizer([p for p, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
+        )
+        responses = iter(
+            tokenizer([r for _, r in texts], add_special_tokens=False)["input_ids"] if texts else []
+        )
+        encoded = [(next(prompts), next(responses)) if isinstance(p, str) else (p, r) for p, r in pending]
+        for p_ids, r_ids in encoded:
             if len(p_ids) >= max_len:
                 stats.dropped += 1
                 continue
@@ -267,7 +280,7 @@ def build_sft_dataset(
             reasons[row.kind] += 1
             continue
         try:
-            messages = row_messages(row)
+            messages, quoted = special_text.mark(row_messages(row), spellings)
             rendered = [
                 _render_pair(template, prompt, response, response_end, eos_token)
                 for prompt, response in conversation_pairs(messages, multiturn, mix_seed(seed, index))
@@ -278,6 +291,17 @@ def build_sft_dataset(
             stats.skipped += 1
             reasons[str(e)] += 1
             continue
+        if quoted:  # encoded as the text it is, not as the special token it spells
+            stats.special_text += 1
+            if stats.special_text <= LOGGED_BAD_LINES:
+                logger.warning(
+                    "%s: row %d quotes special token spellings %s in its content: encoded as text",
+                    origin, origin_row, sorted(set(quoted)),
+                )  # fmt: skip
+            rendered = [
+                (special_text.encode(tokenizer, p, quoted), special_text.encode(tokenizer, r, quoted))
+                for p, r in rendered
+            ]
         pending.extend(rendered)
         if len(pending) >= _TOKENIZE_CHUNK:
             flush()
@@ -295,7 +319,9 @@ def build_sft_dataset(
     return dataset, stats
 
 
-_CACHE_VERSION = 2  # 2: a local file is keyed by its content hash (1: by size and mtime)
+#: 3: content quoting a special token's spelling is encoded as text; 2: a local file is keyed by its
+#: content hash (1: by size and mtime)
+_CACHE_VERSION = 3
 
 
 class SFTCacheError(ValueError):

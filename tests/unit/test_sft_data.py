@@ -835,3 +835,37 @@ def test_cache_of_a_dataset_directory_is_keyed_by_its_files(tmp_path, llada_tok,
     other = write_hub_dataset(tmp_path / "hub", "org/chat2", rows, 1)
     changed, _ = build_sft_dataset(str(other), llada_tok, "llada", max_len=512, cache_dir=cache)
     assert len(changed) == 3 and len(list(cache.glob("sft-*.npz"))) == 2
+
+
+def test_content_spelling_a_special_token_is_encoded_as_text(tmp_path, chatml_tok, caplog):
+    """A user turn quoting "<|mask|>" and a response quoting "<|im_end|>" and "<|endoftext|>": no
+    special id comes from their content (the mask id in the prompt, a turn end or EOS inside the
+    response, before), the template's own specials stay, the text decodes back to what was
+    written, and the row is counted and logged. A row without such text is encoded exactly as
+    before, whatever rows surround it."""
+    plain = {"messages": CONV}
+    quoting = {
+        "messages": [
+            {"role": "user", "content": "What does <|mask|> mean?"},
+            {"role": "assistant", "content": "It ends a turn like <|im_end|> or a text like <|endoftext|>."},
+        ]
+    }
+    alone, _ = build_sft_dataset(
+        _write_jsonl(tmp_path / "plain.jsonl", [plain]), chatml_tok, "dream", max_len=512
+    )
+    with caplog.at_level(logging.WARNING):
+        built, stats = build_sft_dataset(
+            _write_jsonl(tmp_path / "mixed.jsonl", [plain, quoting, plain]), chatml_tok, "dream", max_len=512
+        )
+    assert built[0] == alone[0] == built[2] and stats.special_text == 1
+    assert "quoting special tokens as text" in stats.summary() and "row 1 quotes special token" in caplog.text
+    ex = built[1]
+    prompt, response = list(ex.input_ids[: ex.prompt_len]), list(ex.input_ids[ex.prompt_len :])
+    special = {chatml_tok.convert_tokens_to_ids(t): t for t in CHATML_SPECIALS}
+    turns = ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>"]  # default system, user, the answer's start
+    assert [special[i] for i in prompt if i in special] == turns
+    assert [special[i] for i in response if i in special] == ["<|endoftext|>"]  # Dream's response end: EOS
+    assert "What does <|mask|> mean?" in _decode(chatml_tok, prompt)
+    assert _decode(chatml_tok, response).startswith(
+        "It ends a turn like <|im_end|> or a text like <|endoftext|>."
+    )
