@@ -165,18 +165,25 @@ class LengthGroupedSampler(torch.utils.data.Sampler[list[int]]):
             "world_size": self.world_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position.
+    def load_state_dict(self, state: dict[str, Any], data_changed: bool = False) -> list[str]:
+        """Continue at ``state``'s position; returns what had to be adapted (for the log).
 
         Raises if a setting that decides the order changed. A different world size is fine: the
         micro-batch sequence is the same, and the group size is taken from ``state`` unless this
-        sampler was built with an explicit, different one (an error).
+        sampler was built with an explicit, different one (an error). ``data_changed`` (the run
+        allows other data than the checkpoint's, train.allow_data_change): another number of
+        examples is accepted too, in the same epoch at the same position (the order is the new
+        data's), or at the start of the next epoch when the new epoch is shorter than that.
         """
         mine = self.state_dict()
+        notes: list[str] = []
         for key in (*_ORDER_KEYS, "group_size"):
             if key not in state:
                 raise KeyError(f"sampler state has no {key!r}")
         for key in _ORDER_KEYS:
+            if key == "num_samples" and data_changed and state[key] != mine[key]:
+                notes.append(f"the data has {mine[key]} examples where the checkpoint's had {state[key]}")
+                continue
             if state[key] != mine[key]:
                 raise ValueError(
                     f"sampler state was saved with {key}={state[key]!r} but this run has "
@@ -190,9 +197,18 @@ class LengthGroupedSampler(torch.utils.data.Sampler[list[int]]):
                 )
             self._set_group_size(int(state["group_size"]))
         consumed = int(state["micro_batches_consumed"])
+        epoch = int(state["epoch"])
+        if notes and consumed >= self.num_micro_batches:
+            notes.append(
+                f"epoch {epoch}'s position {consumed} is past the new epoch's end: epoch {epoch + 1} begins"
+            )
+            epoch, consumed = epoch + 1, 0
+        elif notes:
+            notes.append(f"continuing epoch {epoch} at micro-batch {consumed} of {self.num_micro_batches}")
         if not 0 <= consumed <= self.num_micro_batches:
             raise ValueError(
                 f"sampler state micro_batches_consumed {consumed} outside 0..{self.num_micro_batches}"
             )
-        self.epoch = int(state["epoch"])
+        self.epoch = epoch
         self.micro_batches_consumed = consumed
+        return notes

@@ -275,7 +275,9 @@ class Trainer:
         eng.apply_optim_settings(self.engine, self.run, self.total_updates)
         self.state = TrainerState(**state["trainer"])
         # Same global micro-batch sequence on any world size (the sampler re-cuts its groups).
-        self.task.sampler.load_state_dict(self.state.sampler)
+        changed = self.run.train.allow_data_change
+        for note in self.task.sampler.load_state_dict(self.state.sampler, data_changed=changed):
+            log.warning(f"resume on other data (train.allow_data_change): {note}")
         if (
             saved_world != self.world
         ):  # per-rank noise streams are keyed by rank: continue from the global count

@@ -162,3 +162,24 @@ def test_ranks_of_one_step_get_similar_lengths():
     random_steps = [shuffled[k : k + world] for k in range(0, len(shuffled), world)]
     assert median_spread(steps) < 1.1
     assert median_spread(random_steps) > 1.5
+
+
+def test_other_data_allowed_continues_at_the_position_or_the_next_epoch():
+    """train.allow_data_change on data of another size (appended rows, the usual reason): the
+    documented override used to fail after the engine was built (num_samples differs). Now the
+    position is kept in the same epoch of the new data's order, or the next epoch begins where the
+    new epoch is shorter than the position; without the override the size change is refused."""
+    s = _make(_lengths())
+    list(itertools.islice(iter(s), 5))
+    state = s.state_dict()  # epoch 0, 10 micro-batches consumed
+    grown = _make(_lengths(n=300))
+    notes = grown.load_state_dict(state, data_changed=True)
+    assert (grown.epoch, grown.micro_batches_consumed) == (0, 10)
+    assert "the data has 300 examples where the checkpoint's had 203" in notes[0]
+    assert next(iter(grown)) == grown.micro_batches(0)[10].tolist()
+    shrunk = _make(_lengths(n=16))  # 4 micro-batches per epoch: position 10 is past it
+    assert "epoch 1 begins" in shrunk.load_state_dict(state, data_changed=True)[-1]
+    assert (shrunk.epoch, shrunk.micro_batches_consumed) == (1, 0)
+    with pytest.raises(ValueError, match="num_samples"):
+        _make(_lengths(n=300)).load_state_dict(state)
+    assert _make(_lengths()).load_state_dict(state, data_changed=True) == []  # same size: nothing adapted
