@@ -8,6 +8,7 @@ adapters through ``engine.add_parameters``.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mdlmpe_ds.lora.adapters import (
 )
 from mdlmpe_ds.lora.base import (
     IDENTITY_ATTR,
+    adopt_base,
     base_file,
     base_identity,
     check_base_identity,
@@ -32,6 +34,8 @@ from mdlmpe_ds.lora.base import (
     load_base_file,
 )
 from mdlmpe_ds.training import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
 
 
 def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, params: dict, meta: bool) -> str:
@@ -67,7 +71,8 @@ def attach(model: nn.Module, run, ds_config: dict, resume_from: Path | None, par
 def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
     """A from-scratch model's frozen base lives in no pretrained directory, and LoRA checkpoints do
     not hold it: a fresh run writes it once to ``output_dir/lora_base.safetensors`` (rank 0, atomic);
-    a resumed run loads it from there (collective)."""
+    a resumed run loads it from there (collective), and one resumed from another run's checkpoint
+    copies it into its own output_dir (``adopt_base``)."""
     from safetensors.torch import save_file
 
     names = [n for n, _ in model.named_parameters() if not is_mdlmpe_name(n)]
@@ -92,6 +97,13 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
         )
     setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
     eng.copy_into(model, tensors)
+    if process_group.rank() == 0:  # another run's checkpoint: this run keeps its own copy
+        copied = adopt_base(source, run.train.output_dir)
+        if copied is not None:
+            log.info(
+                f"copied the frozen LoRA base {source} to {copied}: this run no longer needs {source.parent}"
+            )
+    process_group.barrier()
 
 
 def memory_plan_kwargs(params: dict) -> dict[str, int]:

@@ -20,6 +20,8 @@ changes those; an edit of a few bytes between the samples would not.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,9 @@ def base_file(output_dir: str | Path) -> Path:
 def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
     """The initial base of a preset LoRA run: next to ``checkpoints/`` of ``step_dir`` (the run may
     have been moved), else in the recorded output_dir; a clear error when neither holds it."""
-    candidates = [step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])]
+    candidates = list(
+        dict.fromkeys([step_dir.parent.parent / BASE_FILE, base_file(run_config["train"]["output_dir"])])
+    )
     for path in candidates:
         if path.is_file():
             return path
@@ -47,6 +51,29 @@ def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
         f"{step_dir} is a LoRA checkpoint of a from-scratch model, whose frozen base is kept once in "
         f"{BASE_FILE} of the run's output_dir; not found at {', '.join(map(str, candidates))}"
     )
+
+
+def adopt_base(source: Path, output_dir: str | Path) -> Path | None:
+    """Rank 0, when a preset LoRA run resumes from another run's checkpoint: copy that run's base
+    file into this run's ``output_dir`` (atomic: a temporary file, fsync, rename), unless that has
+    one (the same file, or one whose identity the next resume checks against the checkpoint's
+    record). Returns the copy, or None when nothing was copied.
+
+    Why: this run's checkpoints hold adapters only; without its own copy the run could later be
+    neither resumed nor exported once the other run's directory is moved or deleted."""
+    target = base_file(output_dir)
+    if target.exists() and (
+        target.resolve() == source.resolve() or target.stat().st_size == source.stat().st_size
+    ):
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    with open(source, "rb") as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 16 * 2**20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, target)
+    return target
 
 
 IDENTITY_ATTR = "_lora_base_identity"  # set on the model by lora.attach, read by each checkpoint save

@@ -390,3 +390,21 @@ def test_memory_plan_of_llada_8b_with_lora():
     assert ratio < 0.01  # ~42M of ~8B parameters trained
     assert with_lora.total < full.total
     assert with_lora.item("parameters (ZeRO-3 shard)") > full.item("parameters (ZeRO-3 shard)")
+
+
+def test_a_run_resumed_from_another_runs_checkpoint_keeps_its_own_base(tmp_path):
+    """A preset LoRA run resumed from another directory's checkpoint got no base file of its own:
+    once that directory was moved, it could be neither resumed nor exported. ``adopt_base`` copies
+    it atomically (no temporary left), once; the lookup names each place it looked once."""
+    source = tmp_path / "a" / lora_spec.BASE_FILE
+    source.parent.mkdir()
+    source.write_bytes(b"base" * 1000)
+    copy = lora_base.adopt_base(source, tmp_path / "b")
+    assert copy == tmp_path / "b" / lora_spec.BASE_FILE and copy.read_bytes() == source.read_bytes()
+    assert not list((tmp_path / "b").glob("*.tmp")) and lora_base.adopt_base(source, tmp_path / "b") is None
+    assert lora_base.adopt_base(source, tmp_path / "a") is None  # its own run: nothing to copy
+    step = tmp_path / "c" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as err:
+        lora_base.find_base_file(step, {"train": {"output_dir": str(tmp_path / "c")}})
+    assert str(err.value).count(str(tmp_path / "c" / lora_spec.BASE_FILE)) == 1
