@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,12 +75,13 @@ def main(argv: list[str] | None = None, faults=None) -> int:
         ]
         if val:
             lines.append(f"validation ELBO perplexity ({run.data.validation}): {val['val/ppl']:.2f}")
+        board = out / "tensorboard"
         lines += [
-            f"TensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})",
+            f"TensorBoard logs: {board}   (tensorboard --logdir {shlex.quote(str(board))})",
             f"checkpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})",
             "resume with:      "
             + launching.resume_command("launch/pretrain.py", args.deepspeed, argv, args.config),
-            f"evaluate with:    python launch/evaluate.py {out}",
+            "evaluate with:    " + shlex.join(["python", "launch/evaluate.py", str(out)]),
         ]
         print("\n".join(lines), flush=True)
 

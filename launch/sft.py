@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -64,13 +65,16 @@ def main(argv: list[str] | None = None, faults=None) -> int:
     def report(summary: dict) -> None:
         out = Path(run.train.output_dir).resolve()
         resume = launching.resume_command("launch/sft.py", args.deepspeed, argv, args.config)
+        board = out / "tensorboard"
+        export = shlex.join(
+            ["python", "launch/export.py", str(out / "checkpoints" / "latest"), str(out / "export")]
+        )
         print(
             f"\n{launching.outcome(summary, run.train.stop_at)}",
-            f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})"
+            f"\nTensorBoard logs: {board}   (tensorboard --logdir {shlex.quote(str(board))})"
             f"\ncheckpoints:      {out / 'checkpoints'} (last: {summary['last_checkpoint']})"
             f"\nresume with:      {resume}"
-            f"\nexport with:      python launch/export.py {out / 'checkpoints' / 'latest'} "
-            f"{out / 'export'}",
+            f"\nexport with:      {export}",
             flush=True,
         )
 

@@ -156,6 +156,11 @@ def describe_plan(
         updates = f"updates: {total:,} (warmup {warmup:,} updates, cosine {run.optim.cosine})"
         if n_examples is not None:
             updates += f", ~{total * per_update / max(1, n_examples):.2f} epochs"
+        if warmup >= total:
+            updates += (
+                f"\nwarning: the warmup ({warmup:,} updates) spans the whole run ({total:,}): the learning "
+                "rate never reaches its peak; lower --warmup_steps or raise --max_steps"
+            )
     return "\n".join(
         [
             f"model: {name} ({model_config.family}), position encoding {model_config.position_encoding}, "
@@ -316,24 +321,39 @@ def prepare_resume(
     against this run's config (resume_changes.py: ``allow_changes`` are the keys of
     --allow_config_change) and model before any data or engine work (checkpoints newer than it are
     moved aside only once it has loaded: ``set_newer_aside``); a checkpoint of another world size
-    switches the engine to its universal copy."""
+    switches the engine to its universal copy, once that is verified (``check_universal_copy``)."""
     prepare_output_dir(resume, run, dry_run)
-    resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.info)
+    resume_from = ckpt.resolve_resume(resume, run.train.output_dir, log=log.warning)  # damage skipped
     process_group.barrier()  # every rank has verified before rank 0 may move anything
     if resume_from is None:
         return None
     saved = ckpt.read_saved_run(resume_from)
     allowed = resume_changes.parse_allowed(allow_changes)
-    for line in resume_changes.check_resume_config(saved.run_config, run.to_dict(), allowed, resume_from):
+    # "auto" keys compare what they resolved to: the checkpoint's record and this run's ds config
+    at_save = {key: saved.resolved_value(key) for key in resume_changes.RESOLVED_KEYS}
+    here = {"train.precision": eng.resolved_precision(ds_config)}
+    for line in resume_changes.check_resume_config(
+        saved.run_config, run.to_dict(), allowed, resume_from, (at_save, here)
+    ):
         log.info(line)
     ckpt.check_same_model(saved, model_config.to_dict())
     world = process_group.world_size()
     if saved.world_size != world:
-        if not (resume_from / ckpt.DS_UNIVERSAL_TAG).is_dir():
-            raise RuntimeError(eng.load_universal_instructions(resume_from, saved.world_size, world))
+        check_universal_copy(resume_from, saved.world_size, world)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
         log.info(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
     return resume_from
+
+
+def check_universal_copy(resume_from: Path, saved_world: int, world: int) -> None:
+    """Raise on every rank, naming the bad file and the command that rebuilds it, unless
+    ``resume_from``'s universal copy is sealed and matches its manifest (checkpoint.universal_problems).
+    Rank 0 reads the files and every rank gets its answer (one collective): a large copy is not
+    read once per rank."""
+    problems = ckpt.universal_problems(resume_from) if process_group.rank() == 0 else None
+    problems = collectives.all_gather_object(problems, setup=True)[0]
+    if problems is None or problems:
+        raise RuntimeError(eng.load_universal_instructions(resume_from, saved_world, world, problems or ()))
 
 
 def build_model(run: RunConfig, model_config, ds_config: dict, dry_run: bool):

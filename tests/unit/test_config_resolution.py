@@ -64,3 +64,21 @@ def test_epochs_given_without_max_steps_decide_the_length(tmp_path):
     from_file = build_config(str(config), [])
     assert from_file.train.max_steps is None and from_file.train.epochs == 2
     assert build_config(str(config), ["--max_steps", "5"]).train.max_steps == 5
+
+
+def test_the_plan_warns_when_the_warmup_spans_the_run():
+    """--warmup_steps 100 with --max_steps 8 was accepted without a word: the lr never reaches its
+    peak. The plan printed at start says so, and says nothing when the warmup ends in time."""
+    from types import SimpleNamespace
+
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.common import describe_plan
+
+    model = SimpleNamespace(family="llada", position_encoding="mdlmpe", vocab_size=100)
+    params = {"backbone": 1, "mdlmpe": 1, "total": 2}
+    long_warmup = build_config(None, ["--warmup_steps", "100", "--max_steps", "8"])
+    assert "warning: the warmup (100 updates) spans the whole run (8)" in describe_plan(
+        long_warmup, model, 2, 8, 64, params
+    )
+    fine = build_config(None, ["--warmup_steps", "2", "--max_steps", "8"])
+    assert "warning" not in describe_plan(fine, model, 2, 8, 64, params)
