@@ -108,12 +108,32 @@ def _json_rows(path: str) -> Iterator[Any]:
         if raw.lstrip().startswith(b"["):
             yield from _json_array_rows(path, raw + f.read(), line_no, offset)
             return
-        yield _json_line(raw, line_no, offset)
+        first = _json_line(raw, line_no, offset)
+        if isinstance(first, BadLine) and raw.lstrip().startswith(b"{"):
+            _refuse_one_object(path, raw + f.read())
+        yield first
         offset += len(raw)
         for line_no, raw in lines:
             if raw.strip():
                 yield _json_line(raw, line_no, offset)
             offset += len(raw)
+
+
+def _refuse_one_object(path: str, data: bytes) -> None:
+    """A JSON Lines file whose first line is not JSON may be one pretty-printed object: say so
+    (naming a key that holds the rows, if one does) instead of "row 0 is not valid JSON"."""
+    try:
+        whole = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # not one object either: the first line's own error stands
+    if not isinstance(whole, dict):
+        return
+    lists = [k for k, v in whole.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+    hint = f" (its key {lists[0]!r} holds a list of objects: write those out, one per line)" if lists else ""
+    raise SFTDataError(
+        f"{path}: one JSON object spread over several lines, not rows{hint}. A .json/.jsonl SFT file "
+        "holds one row per line (JSON Lines) or an array of rows ([{...}, {...}])"
+    )
 
 
 def _json_line(raw: bytes, line_no: int, offset: int) -> Any:

@@ -869,3 +869,17 @@ def test_content_spelling_a_special_token_is_encoded_as_text(tmp_path, chatml_to
     assert _decode(chatml_tok, response).startswith(
         "It ends a turn like <|im_end|> or a text like <|endoftext|>."
     )
+
+
+def test_a_pretty_printed_json_object_is_named_as_such(tmp_path, llada_tok):
+    """One object over several lines was reported as "row 0 (line 1) is not valid JSON"; the
+    error now says what the file is and, when a key holds the rows, which one. A JSON Lines file
+    whose first line is broken keeps its own error."""
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": [{"messages": CONV}]}, indent=2))
+    with pytest.raises(SFTDataError, match=r"one JSON object spread over several lines.*its key 'data'"):
+        build_sft_dataset(str(wrapped), llada_tok, "llada", max_len=512)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"messages": [\n' + json.dumps({"messages": CONV}) + "\n")
+    with pytest.raises(SFTDataError, match=r"row 0 \(line 1\) is not valid JSON"):
+        build_sft_dataset(str(broken), llada_tok, "llada", max_len=512)
