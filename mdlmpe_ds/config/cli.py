@@ -303,10 +303,15 @@ def _readable(err: Exception, source: str, given: dict[str, Any] | None = None) 
         token = unknown.group(1)
         if not token.startswith("--"):
             return ValueError(f"{source}: expected --key value, got {token!r}")
+        key = token[2:].split("=", 1)[0]
         try:
-            canonical_key(token[2:].split("=", 1)[0], source)
+            canonical_key(key, source)
         except ValueError as named:
             return named
+        if "-" in key:  # a known key spelled with dashes (--max-steps)
+            return ValueError(
+                f"{source}: unknown flag --{key}; write --{key.replace('-', '_')} (flags use underscores)"
+            )
     return ValueError(f"{source}: {text}")
 
 

@@ -56,3 +56,13 @@ def test_run_flags_sit_in_the_same_parser():
     assert overrides == {"model.preset": "llada-100m"}
     flags, _ = cli.parse(parser, ["--preset", "llada-100m", "--dry_run", "--allow-config-change", "lr,seed"])
     assert flags["dry_run"] and flags["allow_config_change"] == ["lr,seed"]
+
+
+def test_a_known_key_spelled_with_dashes_gets_its_spelling():
+    """--max-steps gave "unrecognized arguments" with no hint; an unknown key still lists the valid ones."""
+    from mdlmpe_ds.config.cli import build_config
+
+    with pytest.raises(ValueError, match=r"unknown flag --max-steps; write --max_steps"):
+        build_config(None, ["--max-steps", "3"])
+    with pytest.raises(ValueError, match=r"unknown key 'max_stepz'; valid keys are"):
+        build_config(None, ["--max_stepz", "3"])
