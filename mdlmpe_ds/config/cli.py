@@ -29,6 +29,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,18 @@ def owners() -> dict[str, list[str]]:
 
 def valid_keys() -> list[str]:
     return [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def pretrain_only_keys(keys: Iterable[str]) -> list[str]:
+    """The dotted ``keys`` that only launch/pretrain.py reads (``doc(pretrain_only=True)``), sorted:
+    SFT accepts them and ignores them, so a launcher warns about the ones a user gave."""
+    only = {
+        f"{section}.{f.name}"
+        for section, cls in SECTIONS.items()
+        for f in fields(cls)
+        if f.metadata.get("pretrain_only")
+    }
+    return sorted(set(keys) & only)
 
 
 def canonical_key(key: str, source: str) -> str:

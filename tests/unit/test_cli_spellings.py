@@ -66,3 +66,11 @@ def test_a_known_key_spelled_with_dashes_gets_its_spelling():
         build_config(None, ["--max-steps", "3"])
     with pytest.raises(ValueError, match=r"unknown key 'max_stepz'; valid keys are"):
         build_config(None, ["--max_stepz", "3"])
+
+
+def test_sft_names_the_pretraining_keys_it_ignores():
+    """SFT accepts --validation and --eval_every and ignores them: a user who gave them is told."""
+    from mdlmpe_ds.config.cli import pretrain_only_keys
+
+    given = ["data.validation", "train.eval_every", "optim.lr", "train.max_steps"]
+    assert pretrain_only_keys(given) == ["data.validation", "train.eval_every"]
