@@ -7,7 +7,10 @@ universal copy, ``ds_universal/`` beside ``ds/``, is picked up automatically)::
     python launch/convert_checkpoint.py to-universal outputs/sft-demo/checkpoints/step_000002
 
 The conversion is DeepSpeed's ds_to_universal in this one process (no GPU, no process group;
-mdlmpe_ds/distributed/engine.py). It sits beside launch/export.py, not inside it: an export writes a
+mdlmpe_ds/distributed/engine.py), written like a checkpoint (mdlmpe_ds/training/checkpointer.py,
+``write_universal``): into ``ds_universal.converting/``, sealed with its own manifest and COMPLETE,
+then renamed into place. A killed conversion leaves no copy; run the command again (it removes what
+the killed one left). It sits beside launch/export.py, not inside it: an export writes a
 transformers directory for inference elsewhere, while this writes a training-side copy inside the
 checkpoint, for the same trainer.
 """
@@ -19,7 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mdlmpe_ds.distributed.engine import ds_to_universal
+from mdlmpe_ds.training.checkpoint import resolve_checkpoint
+from mdlmpe_ds.training.checkpointer import write_universal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     universal = sub.add_parser("to-universal", help="DeepSpeed's universal copy of a ZeRO-3 checkpoint")
     universal.add_argument("checkpoint", type=Path, help="a step directory (checkpoints/step_NNNNNN)")
     args = parser.parse_args(argv)
-    out = ds_to_universal(args.checkpoint)
-    print(f"universal checkpoint written to {out}")
+    try:
+        step = resolve_checkpoint(args.checkpoint)
+    except (FileNotFoundError, ValueError) as err:  # no such checkpoint, or a damaged one
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"universal checkpoint written to {write_universal(step)}")
     return 0
 
 

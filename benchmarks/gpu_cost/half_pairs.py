@@ -74,7 +74,7 @@ def _probe_worker(case: tuple) -> dict:
     A = torch.rand(1, length, head_dim // 2, generator=gen) * D
     scale = 1.0 / math.sqrt(head_dim)
     config = pair_backend.resolve_pair_launch(q)
-    fit, shift = pair_backend.half_pairs_fit, pair_backend.dbias_shift
+    fit, shift, applied = pair_backend.half_pairs_fit, pair_backend.dbias_shift, pair_backend.half_pairs_for
     pairs = mdlmpe_pairs(head_dim // 2)
     q_top, k_top = (
         pair_backend.pair_maxima(pair_backend.pair_components(x, pairs, length, len(pairs))) for x in (q, k)
@@ -84,9 +84,11 @@ def _probe_worker(case: tuple) -> dict:
     def run(half: bool, dbias=None, scaled: bool = True):
         """The bias, and with ``dbias`` the gradients (q, k, the MLP's four, flattened), through
         the backend with all three kernels' pair arithmetic in fp16 (``half``; the range guard
-        off, so that fp16 runs whatever q, k are; ``scaled``: the backend's dBias shift on)."""
+        and the fp32-input rule off, so that fp16 runs whatever q, k are; ``scaled``: the
+        backend's dBias shift on)."""
         launch = replace(config, half_pairs=PAIR_KERNELS if half else ())
         pair_backend.half_pairs_fit = lambda *args: True
+        pair_backend.half_pairs_for = lambda config, dtype: config.half_pairs  # fp32 inputs here
         if not scaled:
             pair_backend.dbias_shift = lambda *args: 1.0
         try:
@@ -99,7 +101,11 @@ def _probe_worker(case: tuple) -> dict:
             grads = [t.grad for t in leaves]
             return bias.detach(), (grads[0], grads[1], torch.cat([g.flatten() for g in grads[2:]]))
         finally:
-            pair_backend.half_pairs_fit, pair_backend.dbias_shift = fit, shift
+            pair_backend.half_pairs_fit, pair_backend.dbias_shift, pair_backend.half_pairs_for = (
+                fit,
+                shift,
+                applied,
+            )
 
     exact, _ = run(False)
     half, _ = run(True)

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,13 @@ def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str,
 
 def param_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     return torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+
+
+def resolved_precision(ds_config: dict[str, Any]) -> str:
+    """ "bf16" or "fp32": what train.precision (possibly "auto") resolved to in a config that
+    ``prepare_ds_config`` prepared. A resume compares it with the checkpoint's record: the optimizer
+    state DeepSpeed wrote differs between the two (``bf16_zero_pp_rank_*`` files in bf16)."""
+    return "bf16" if param_dtype(ds_config) == torch.bfloat16 else "fp32"
 
 
 # ---------------------------------------------------------------------------- model + engine
@@ -393,23 +400,42 @@ def fp32_state_dict_from_checkpoint(step_dir: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="ds")
 
 
-def load_universal_instructions(ckpt_dir: Path, saved_world: int, world: int) -> str:
-    return (
+def load_universal_instructions(
+    ckpt_dir: Path, saved_world: int, world: int, problems: Sequence[str] = ()
+) -> str:
+    """What to run when a checkpoint of another world size has no usable universal copy: convert it
+    once, or, when a copy is there but ``problems`` (checkpoint.universal_problems) keep it from
+    loading, rebuild it."""
+    head = (
         f"checkpoint {ckpt_dir} was written by {saved_world} ranks but this run has {world}. "
-        f"ZeRO-3 shards are tied to the data-parallel world size. Convert it once with\n"
-        f"  python launch/convert_checkpoint.py to-universal {ckpt_dir}\n"
+        f"ZeRO-3 shards are tied to the data-parallel world size. "
+    )
+    command = f"  python launch/convert_checkpoint.py to-universal {ckpt_dir}\n"
+    if problems:
+        return (
+            head
+            + "Its universal copy cannot be loaded:\n  "
+            + "\n  ".join(problems)
+            + f"\nRebuild it with\n{command}(it replaces the copy; the checkpoint itself is intact), "
+            f"then resume again."
+        )
+    return (
+        head + f"Convert it once with\n{command}"
         f"(DeepSpeed's ds_to_universal), then resume again: the universal copy is picked up automatically."
     )
 
 
-def ds_to_universal(ckpt_dir: Path) -> Path:
-    """Convert `ckpt_dir/ds` (ZeRO-3 shards of one world size) into `ckpt_dir/ds_universal` with
-    DeepSpeed's ds_to_universal (single process, no process group). Its options are given as the
-    namespace its own parser builds (every option of the pinned DeepSpeed, at its default but the
-    folders and one worker each), so nothing here reads or rewrites the process's argv."""
+def ds_to_universal(src: Path, dst: Path) -> None:
+    """DeepSpeed's ds_to_universal: the ZeRO-3 shards in `src` (one world size) as a universal
+    checkpoint in the new folder `dst` (single process, no process group). Its options are given as
+    the namespace its own parser builds (every option of the pinned DeepSpeed, at its default but
+    the folders and one worker each), so nothing here reads or rewrites the process's argv.
+
+    It writes `dst` in place (its scratch `tmp/` inside it) and a `latest_universal` file beside
+    it, so a killed call leaves a partial folder: call it through
+    ``checkpointer.write_universal``, which gives it a scratch folder and seals the result."""
     from deepspeed.checkpoint import ds_to_universal as tool
 
-    src, dst = ckpt_dir / "ds", ckpt_dir / "ds_universal"
     options = argparse.Namespace(
         input_folder=str(src),
         output_folder=str(dst),
@@ -420,4 +446,3 @@ def ds_to_universal(ckpt_dir: Path) -> Path:
         inject_missing_state=False,
     )
     tool.main(options)
-    return dst

@@ -13,6 +13,9 @@ Layout::
             config.json               the training config + model config + world size + data fingerprint
             MANIFEST.json             every file's size and a sampled CRC-32 (written before COMPLETE)
             COMPLETE                  written last, by rank 0, after a barrier, fsync'd
+            ds_universal/             optional: DeepSpeed's universal copy of ds/, for a resume on
+                                      another world size (launch/convert_checkpoint.py), with its
+                                      own MANIFEST.json and COMPLETE (checkpointer.write_universal)
         latest                        holds the tag of the newest COMPLETE checkpoint (atomic rename)
         superseded/                   checkpoints newer than the one a run resumed from (never resumed)
 
@@ -33,7 +36,7 @@ import re
 import shutil
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ DS_TAG = "ds"
 DS_UNIVERSAL_TAG = (
     "ds_universal"  # DeepSpeed's universal copy (python launch/convert_checkpoint.py to-universal)
 )
+UNIVERSAL_SCRATCH = DS_UNIVERSAL_TAG + ".converting"  # where a universal copy is written, then moved
 # config.json's "format": 2 = this version, which always writes MANIFEST.json (a missing one is
 # damage); checkpoints without the key were written before manifests existed.
 FORMAT = 2
@@ -246,6 +250,26 @@ def verify(path: Path) -> list[str]:
     return problems
 
 
+def universal_problems(path: Path) -> list[str] | None:
+    """What keeps checkpoint ``path``'s universal copy from loading: None when no conversion was
+    ever started (no copy, no scratch folder), [] when the copy is sealed and its files match its
+    manifest, else each problem naming its file. Checked before DeepSpeed reads the copy: its loader
+    fails on a partial copy with a bare AssertionError, and on a truncated file without its name."""
+    copy, scratch = path / DS_UNIVERSAL_TAG, path / UNIVERSAL_SCRATCH
+    if not copy.is_dir():
+        if scratch.exists():
+            return [f"the conversion into {copy} was interrupted (it left {scratch}, no copy)"]
+        return None
+    if not is_complete(copy):
+        return [
+            f"{copy / COMPLETE} is missing: an interrupted conversion, or a copy written before "
+            f"conversions were sealed"
+        ]
+    if not (copy / MANIFEST).is_file():
+        return [f"{copy / MANIFEST} is missing (the copy is damaged)"]
+    return verify(copy)
+
+
 def _format_of(path: Path) -> int:
     """config.json's checkpoint format (0: written before it was recorded, or unreadable)."""
     try:
@@ -330,6 +354,12 @@ class SavedRun:
     model_config: dict[str, Any]
     tokenizer: str | None = None
     data_fingerprint: str | None = None  # absent in checkpoints written before it existed
+    resolved: dict[str, Any] = field(default_factory=dict)  # write_meta's ``resolved``
+
+    def resolved_value(self, key: str) -> Any | None:
+        """What run-config ``key`` resolved to when the checkpoint was written (None: not recorded,
+        e.g. a value used as written, or a checkpoint from before the record)."""
+        return (self.resolved.get(key) or {}).get("value")
 
 
 def read_saved_run(path: Path) -> SavedRun:
@@ -346,6 +376,7 @@ def read_saved_run(path: Path) -> SavedRun:
             meta["model_config"],
             meta.get("tokenizer"),
             compat.recorded_data_fingerprint(meta),
+            meta.get("resolved") or {},
         )
     except (ValueError, KeyError) as err:
         raise ValueError(f"{meta_file}: unreadable checkpoint metadata ({err!r})") from err
@@ -413,7 +444,8 @@ def write_meta(
     """The checkpoint's ``config.json``: the run config as the user wrote it (hub ids, dataset
     names) and, under ``resolved``, what those names resolved to on the machine that wrote it
     (``{"section.key": {"value": local path or name, "commit": snapshot commit or null}}``; empty
-    when nothing was resolved; absent in checkpoints written before it was recorded)."""
+    when nothing was resolved; absent in checkpoints written before it was recorded). A
+    ``train.precision`` of "auto" is recorded there as the precision it ran in (checkpointer)."""
     meta = {
         "format": FORMAT,
         "step": step,

@@ -16,6 +16,10 @@ A resume (``Checkpointer.resume``): the checkpoint's model must be this run's; t
 refuse it (LoRA: every adapter and MDLMPE key there); DeepSpeed loads its shards (its universal
 copy on another world size); this rank's trainer state is read and, on the same world size, the
 RNG states are restored. The file format shared with the readers is checkpoint.py.
+
+The universal copy (``write_universal``, one process, launch/convert_checkpoint.py) follows the same
+rule as a save: written into a scratch folder, fsync'd, sealed with its own manifest and COMPLETE,
+then renamed into place.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mdlmpe_ds.distributed import engine as eng
 from mdlmpe_ds.distributed import process_group as distributed
 from mdlmpe_ds.training import checkpoint as ckpt
 from mdlmpe_ds.training import weights_only
@@ -82,10 +87,20 @@ class Checkpointer:
             out.update(getattr(hook, which)())
         return out
 
-    def _write_meta(self, staging: Path, step: int) -> None:
+    def _write_meta(self, staging: Path, step: int, engine) -> None:
         m = self.meta
         run, model = m.run.to_dict(), m.model.to_dict()
-        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint, m.resolved)
+        resolved = self._resolved(engine)
+        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint, resolved)
+
+    def _resolved(self, engine) -> dict[str, Any]:
+        """``meta.resolved`` plus, when train.precision is not what the engine runs in ("auto"), the
+        precision it ran in: DeepSpeed's optimizer state differs between bf16 and fp32, and "auto"
+        resolves by machine and ds config, so a resume compares this (resume_changes.RESOLVED_KEYS)."""
+        precision = "bf16" if engine.bfloat16_enabled() else "fp32"
+        if precision == self.meta.run.train.precision:
+            return self.meta.resolved
+        return {**self.meta.resolved, "train.precision": {"value": precision, "commit": None}}
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer_state: Callable[[], dict[str, Any]]) -> Path:
@@ -110,7 +125,7 @@ class Checkpointer:
         state = {"trainer": trainer_state(), "rng": rng_state(), "numerics": numerics_state()}
         ckpt.write_trainer_state(staging, self.rank, state)
         if self.rank == 0:
-            self._write_meta(staging, step)
+            self._write_meta(staging, step, engine)
             for hook in self.hooks:
                 hook.on_save_meta(staging, engine.module)
         distributed.barrier()  # every rank's files are written (no .tmp left) before anyone flushes
@@ -143,7 +158,7 @@ class Checkpointer:
         weights_only.save_partitions(engine.module, staging, self.rank)
         distributed.barrier()
         if self.rank == 0:
-            self._write_meta(staging, step)
+            self._write_meta(staging, step, engine)
             weights_only.write_marker(engine.module, staging, self.world)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(staging, final)
@@ -166,7 +181,7 @@ class Checkpointer:
         saved = ckpt.read_saved_run(path)
         ckpt.check_same_model(saved, self.meta.model.to_dict())
         # Another world size reads DeepSpeed's universal copy (the run assembly has switched the engine's
-        # "checkpoint.load_universal" on and checked that the copy exists).
+        # "checkpoint.load_universal" on and verified the copy: checkpoint.universal_problems).
         same_world = saved.world_size == self.world
         tag = ckpt.DS_TAG if same_world else ckpt.DS_UNIVERSAL_TAG
         for hook in self.hooks:
@@ -202,11 +217,17 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(root))
 
 
+def seal(staging: Path, marker: str) -> None:
+    """The manifest of the fsync'd files in ``staging``, then COMPLETE (holding ``marker``): what
+    makes a directory verifiable (checkpoint.verify). Its files must be flushed before (fsync_tree)."""
+    fsync_write(staging / MANIFEST, json.dumps({"files": ckpt.manifest_of(staging)}, indent=1))
+    fsync_write(staging / COMPLETE, f"{marker}\n")
+
+
 def finalize(staging: Path, final: Path) -> None:
     """Rank 0, after every rank's files are written and fsync'd (barrier): manifest, COMPLETE, then
     the atomic swap of ``staging`` into ``final`` and `latest`."""
-    fsync_write(staging / MANIFEST, json.dumps({"files": ckpt.manifest_of(staging)}, indent=1))
-    fsync_write(staging / COMPLETE, f"{final.name}\n")
+    seal(staging, final.name)
     replaced = final.with_name(final.name + REPLACED)
     if final.exists():
         if replaced.exists():
@@ -217,6 +238,32 @@ def finalize(staging: Path, final: Path) -> None:
     if replaced.exists():
         shutil.rmtree(replaced)
     fsync_write(final.parent / LATEST, f"{final.name}\n")
+
+
+def write_universal(ckpt_dir: Path) -> Path:
+    """DeepSpeed's universal copy of checkpoint ``ckpt_dir`` (its ``ds/`` shards, verified first),
+    for a resume on another world size; one process. Returns the copy, ``ckpt_dir/ds_universal``.
+
+    Atomic like a save: engine.ds_to_universal writes into the scratch folder
+    ``ds_universal.converting/`` (a killed conversion's is removed first), whose copy is
+    fsync'd and sealed (manifest, COMPLETE) before it is renamed into place; an older copy is
+    replaced only then. A killed conversion leaves no ``ds_universal``, and a resume verifies the
+    copy against its manifest (checkpoint.universal_problems), so no partial copy is ever loaded."""
+    ckpt_dir = ckpt.resolve_checkpoint(ckpt_dir)
+    final = ckpt_dir / ckpt.DS_UNIVERSAL_TAG
+    scratch = ckpt_dir / ckpt.UNIVERSAL_SCRATCH
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    staged = scratch / ckpt.DS_UNIVERSAL_TAG  # DeepSpeed's latest_universal lands in scratch/ too
+    eng.ds_to_universal(ckpt_dir / ckpt.DS_TAG, staged)
+    fsync_tree(staged)
+    seal(staged, f"{ckpt.DS_UNIVERSAL_TAG} of {ckpt_dir.name}")
+    if final.exists():  # an older or broken copy: out of the way only now
+        os.rename(final, scratch / "replaced")
+    os.rename(staged, final)
+    fsync_dir(ckpt_dir)
+    shutil.rmtree(scratch)
+    return final
 
 
 @contextlib.contextmanager

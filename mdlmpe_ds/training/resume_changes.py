@@ -15,6 +15,11 @@ any data or engine work. Every changed key falls into one of four kinds:
   precision); refused naming the key, unless ``--allow_config_change KEY`` forces it (then the new
   value is used and the change is logged as forced).
 
+A key whose value may be "auto" (``RESOLVED_KEYS``: train.precision) is compared by what it
+resolved to on each side when both are known (the checkpoint records it in config.json's
+"resolved"): "auto" that meant bf16 at save and means fp32 here is a change, shown as
+``auto (resolved to bf16) -> auto (resolved to fp32)``.
+
 Every change that is not refused is logged as ``changed on resume: KEY OLD -> NEW (kind)``.
 tests/unit/test_resume_changes.py fails when a run-config key has no entry here, and checks that
 docs/resume.md shows this table.
@@ -23,6 +28,7 @@ docs/resume.md shows this table.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +37,17 @@ from mdlmpe_ds.config.cli import canonical_key
 APPLIED, RUNTIME, CHECKED, REFUSED = "applied", "runtime", "checked", "refused"
 #: Refused keys that --allow_config_change cannot force: the checkpoint could not be loaded at all.
 NEVER_FORCED = ("model.lora", "train.precision")
+#: Keys that may say "auto": compared by what they resolved to (the machine, the ds config).
+RESOLVED_KEYS = ("train.precision",)
+AUTO = "auto"
+#: (at save, now): what each of RESOLVED_KEYS resolved to on either side (None: not known).
+Resolved = tuple[Mapping[str, Any], Mapping[str, Any]]
 
 _MODEL = "compared through the model config (checkpoint.check_same_model)"
 _DATA = "compared through the data fingerprint (--allow_data_change true to continue on other data)"
 _WHERE = "where files go or how long to wait; the numbers do not change"
 _SCHEDULE = "the lr schedule is rebuilt with it and continues at the resumed update"
+_PRECISION = "DeepSpeed's optimizer state differs between fp32 and bf16"
 
 #: key -> (kind, what happens). Keys of model.mdlmpe are listed one by one.
 RESUME_CHANGES: dict[str, tuple[str, str]] = {
@@ -113,7 +125,10 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
     "train.block_context": (REFUSED, "changes what is trained"),
     "train.head_schedule": (REFUSED, "changes which MDLMPE heads are active"),
     "train.max_consecutive_nonfinite": (APPLIED, "this job's stopping rule"),
-    "train.precision": (REFUSED, "DeepSpeed's optimizer state differs between fp32 and bf16"),
+    "train.precision": (
+        REFUSED,
+        "compared as resolved (auto: bf16 or fp32, recorded at save); " + _PRECISION,
+    ),
     "train.dist_timeout_min": (RUNTIME, _WHERE),
     "train.setup_timeout_min": (RUNTIME, _WHERE),
     "train.eval_every": (APPLIED, "validation cadence"),
@@ -129,17 +144,27 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class Change:
+    """``before`` and ``after`` as written; ``resolved``: (at save, now) for a key compared by what
+    it resolved to (RESOLVED_KEYS), else None."""
+
     key: str
     before: Any
     after: Any
     kind: str
+    resolved: tuple[Any, Any] | None = None
+
+    def values(self) -> str:
+        """``OLD -> NEW``, each with what it resolved to when that is not the value as written."""
+        was, now = self.resolved or (None, None)
+        return f"{_show(self.before, was)} -> {_show(self.after, now)}"
 
     def describe(self) -> str:
-        return f"{self.key} {_show(self.before)} -> {_show(self.after)} ({self.kind})"
+        return f"{self.key} {self.values()} ({self.kind})"
 
 
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value) if not isinstance(value, list) else json.dumps(value)
+def _show(value: Any, resolved: Any = None) -> str:
+    shown = "null" if value is None else str(value) if not isinstance(value, list) else json.dumps(value)
+    return shown if resolved is None or resolved == value else f"{shown} (resolved to {resolved})"
 
 
 def flat(run_config: dict[str, Any]) -> dict[str, Any]:
@@ -157,16 +182,39 @@ def flat(run_config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
-    """The keys whose value differs between the checkpoint's run config and this run's. A key the
-    checkpoint did not record (added since) is not a change."""
+def changes(saved: dict[str, Any], now: dict[str, Any], resolved: Resolved | None = None) -> list[Change]:
+    """The keys whose value differs between the checkpoint's run config and this run's (of
+    RESOLVED_KEYS: what they resolved to, where both sides know it). A key the checkpoint did not
+    record (added since) is not a change."""
     before, after = flat(saved), flat(now)
     out = []
     for key in sorted(after):
-        if key in before and before[key] != after[key]:
-            kind = RESUME_CHANGES.get(key, (REFUSED, ""))[0]
+        if key not in before:
+            continue
+        kind = RESUME_CHANGES.get(key, (REFUSED, ""))[0]
+        pair = _resolved_pair(key, before[key], after[key], resolved)
+        if pair is not None and pair[0] != pair[1]:
+            out.append(Change(key, before[key], after[key], kind, pair))
+        elif pair is None and before[key] != after[key]:
             out.append(Change(key, before[key], after[key], kind))
     return out
+
+
+def _resolved_pair(key: str, before: Any, after: Any, resolved: Resolved | None) -> tuple[Any, Any] | None:
+    """(at save, now) that ``key`` resolved to, or None when it is not one of RESOLVED_KEYS or a side
+    is unknown: "auto" in a checkpoint written before the record (compared as written, as then)."""
+    if key not in RESOLVED_KEYS or resolved is None:
+        return None
+    pair = (_resolution(before, resolved[0].get(key)), _resolution(after, resolved[1].get(key)))
+    return None if None in pair else pair
+
+
+def _resolution(written: Any, record: Any) -> Any:
+    """What one side resolved to: its record, else the value as written unless that is "auto"
+    (None: unknown)."""
+    if record is not None:
+        return record
+    return None if written == AUTO else written
 
 
 def parse_allowed(values: list[str] | None) -> set[str]:
@@ -181,14 +229,19 @@ def parse_allowed(values: list[str] | None) -> set[str]:
 
 
 def check_resume_config(
-    saved: dict[str, Any], now: dict[str, Any], allowed: set[str], checkpoint
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    allowed: set[str],
+    checkpoint,
+    resolved: Resolved | None = None,
 ) -> list[str]:
     """The lines to log for the changes a resume makes; raises ValueError naming every refused key
-    that ``allowed`` does not force."""
-    found = changes(saved, now)
+    that ``allowed`` does not force. ``resolved``: what RESOLVED_KEYS resolved to at save (the
+    checkpoint's record) and now (this run's ds config)."""
+    found = changes(saved, now, resolved)
     refused = [c for c in found if c.kind == REFUSED and (c.key not in allowed or c.key in NEVER_FORCED)]
     if refused:
-        lines = "\n  ".join(f"{c.key}: {_show(c.before)} -> {_show(c.after)} ({_why(c)})" for c in refused)
+        lines = "\n  ".join(f"{c.key}: {c.values()} ({_why(c)})" for c in refused)
         forceable = [c.key for c in refused if c.key not in NEVER_FORCED]
         force = f", or pass --allow_config_change {','.join(forceable)} to continue with the new ones"
         raise ValueError(
@@ -199,8 +252,7 @@ def check_resume_config(
     return [
         f"changed on resume: {c.describe()}"
         if c.kind != REFUSED
-        else f"changed on resume: {c.key} "
-        f"{_show(c.before)} -> {_show(c.after)} (forced by --allow_config_change)"
+        else f"changed on resume: {c.key} {c.values()} (forced by --allow_config_change)"
         for c in found
     ]
 
@@ -213,6 +265,9 @@ def _why(change: Change) -> str:
         )
     if change.key == "model.lora" and change.after is None:
         return f"it is a LoRA checkpoint: resume it with --lora {change.before}"
+    if change.key == "train.precision":  # the checkpoint's precision, whatever "auto" means here
+        saved = change.resolved[0] if change.resolved else change.before
+        return f"{_PRECISION}; cannot be forced: resume with --precision {saved}"
     if change.key in NEVER_FORCED:
         return RESUME_CHANGES[change.key][1] + "; cannot be forced"
     return RESUME_CHANGES.get(change.key, (REFUSED, "a key this version does not know"))[1]

@@ -84,4 +84,5 @@ def test_a_checkpoint_records_the_hub_id_as_written_and_the_snapshot_it_used(tmp
     assert meta["resolved"] == {
         "model.model_name_or_path": {"value": str(snapshot), "commit": REV},
         "tokenizer": {"value": str(snapshot), "commit": REV},
+        "train.precision": {"value": "fp32", "commit": None},  # what "auto" ran in, on the CPU
     }

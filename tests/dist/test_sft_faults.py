@@ -65,6 +65,12 @@ def test_resume_on_another_world_size(sft_straight, data, tmp_path):
         timeout=120,
     )
     assert convert.returncode == 0, convert.stderr[-3000:]
+    # sealed like a checkpoint: its own COMPLETE and manifest, no scratch or DeepSpeed tmp/ left
+    from mdlmpe_ds.training import checkpoint as ckpt
+
+    copy = step4 / ckpt.DS_UNIVERSAL_TAG
+    assert ckpt.universal_problems(step4) == [] and ckpt.is_complete(copy)
+    assert not (copy / "tmp").exists() and not (step4 / ckpt.UNIVERSAL_SCRATCH).exists()
     resumed = launch([*data, *BASE_ARGS, "--output_dir", str(out), "--resume", "auto"], nproc=1)
     check(resumed, "1-rank resume from the universal copy")
     assert "resuming a 2-rank checkpoint on 1 ranks" in resumed.stdout

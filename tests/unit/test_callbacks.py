@@ -60,6 +60,9 @@ class _Engine:
         (Path(path) / tag / "shard.pt").write_bytes(b"x")
         self.saved.append(Path(path).name)
 
+    def bfloat16_enabled(self):  # recorded with the checkpoint (what precision "auto" ran in)
+        return False
+
 
 class _Sampler:
     def state_dict(self):

@@ -169,3 +169,64 @@ def test_applied_optim_keys_reach_the_optimizer_after_a_restore():
     before = same.optimizer.param_groups[0]["lr"]
     apply_optim_settings(same, old, 8)
     assert same.optimizer.param_groups[0]["lr"] == before
+
+
+@pytest.mark.parametrize(
+    "saved, recorded, now, resolved_now, refused",
+    [
+        ("auto", "bf16", "auto", "fp32", True),  # a GPU checkpoint resumed on a CPU (or bf16 off)
+        ("auto", "bf16", "bf16", "bf16", False),  # what the refusal says to do
+        ("bf16", None, "auto", "bf16", False),  # an explicit value is its own resolution
+        ("auto", None, "auto", "fp32", False),  # a checkpoint from before the record: as before
+        ("auto", None, "bf16", "bf16", True),  # ... compared as written, as before
+    ],
+)
+def test_precision_is_compared_as_resolved(tmp_path, saved, recorded, now, resolved_now, refused):
+    before = build_config(None, ["--precision", saved]).to_dict()
+    after = build_config(None, ["--precision", now]).to_dict()
+    resolved = ({"train.precision": recorded}, {"train.precision": resolved_now})
+    if not refused:
+        assert rc.check_resume_config(before, after, set(), tmp_path, resolved) == []
+        return
+    with pytest.raises(ValueError, match=r"train\.precision") as err:
+        rc.check_resume_config(before, after, {"train.precision"}, tmp_path, resolved)
+    assert "cannot be forced" in str(err.value) and "--allow_config_change" not in str(err.value)
+
+
+class _SavingEngine:
+    """What Checkpointer.save asks of DeepSpeed's engine: its shards (the names DeepSpeed gives
+    them in bf16) and whether it runs in bf16."""
+
+    module = None
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        shards = Path(save_dir) / tag
+        shards.mkdir()
+        (shards / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 100)
+
+    def bfloat16_enabled(self) -> bool:
+        return True
+
+
+def test_an_auto_precision_that_resolved_otherwise_is_refused_at_resume(tmp_path, monkeypatch):
+    """precision auto is bf16 on a GPU with ds_configs/zero3.json and fp32 on a CPU. The checkpoint
+    records what it ran in, and a resume where auto means the other precision is refused before the
+    engine exists, naming both (else DeepSpeed fails on a missing zero_pp_rank_0_..._optim_states.pt:
+    a bf16 run wrote bf16_zero_pp_rank_*)."""
+    from types import SimpleNamespace
+
+    from mdlmpe_ds.runs.common import prepare_resume
+    from mdlmpe_ds.training.checkpointer import Checkpointer, RunMeta
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = build_config(None, ["--output_dir", str(tmp_path)])
+    assert run.train.precision == "auto"
+    model = SimpleNamespace(to_dict=lambda: {"hidden_size": 8})
+    saver = Checkpointer(tmp_path, 2, RunMeta(run, model, "tok"), say=lambda _: None)
+    step = saver.save(_SavingEngine(), 4, lambda: {})
+    with pytest.raises(ValueError) as err:
+        prepare_resume("auto", run, model, {"bf16": {"enabled": False}}, dry_run=True)
+    text = str(err.value)
+    assert "train.precision: auto (resolved to bf16) -> auto (resolved to fp32)" in text
+    assert "cannot be forced: resume with --precision bf16" in text and str(step) in text
+    assert prepare_resume("auto", run, model, {"bf16": {"enabled": True}}, dry_run=True) == step

@@ -105,6 +105,12 @@ def pair_maxima(xpair: torch.Tensor) -> torch.Tensor:
     return torch.maximum(top[: top.shape[0] // 2], top[top.shape[0] // 2 :])
 
 
+def half_pairs_for(config: PairLaunchConfig, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels of ``config.half_pairs`` that run in fp16 for inputs of ``dtype``: none for fp32
+    inputs, which ask for fp32 numbers (the pair path's error then stays ~1e-7)."""
+    return () if dtype == torch.float32 else config.half_pairs
+
+
 def dbias_shift(dbias: torch.Tensor, scale: float) -> float:
     """A power of two that puts max |dBias * scale| in [1, 2): the fp16 backward's dE, whose
     values (a softmax gradient, ~1 / L) fall below fp16's normal range (6.1e-5) unscaled. Exact,
@@ -144,9 +150,8 @@ class _PairBias(torch.autograd.Function):
         qpair = pair_components(q, pairs, padded, padded_pairs)
         kpair = pair_components(k, pairs, padded, padded_pairs)
         # The kernels whose pair arithmetic runs in fp16 on this call: the config's, in 16-bit
-        # training only (fp32 inputs ask for fp32 numbers), unless q, k are too large for fp16's
-        # range (then every kernel runs in fp32).
-        half = config.half_pairs if q.dtype != torch.float32 else ()
+        # training only, unless q, k are too large for fp16's range (then every kernel runs in fp32).
+        half = half_pairs_for(config, q.dtype)
         if half:
             q_top, k_top = pair_maxima(qpair), pair_maxima(kpair)
             q_max, k_max, qk_max = torch.stack([q_top.max(), k_top.max(), (q_top * k_top).max()]).tolist()
