@@ -400,6 +400,11 @@ def check_same_data(saved: SavedRun, fingerprint: str, allow_change: bool) -> st
     )
 
 
+#: Model-config keys a run flag sets (the model config stores the run's max length as L_ref, which
+#: the MDLMPE features depend on): a difference there is named by its flag.
+MODEL_KEY_FLAGS = {"max_seq_len": "--max_len"}
+
+
 def check_same_model(saved: SavedRun, model_config: dict[str, Any]) -> None:
     """Fail fast (before DeepSpeed reads any shard) when the checkpoint is from another model. An
     older checkpoint's model config also held run-time keys (checkpointing switches; attention
@@ -408,6 +413,11 @@ def check_same_model(saved: SavedRun, model_config: dict[str, Any]) -> None:
     before, now = drop_stored_runtime_keys(saved.model_config), drop_stored_runtime_keys(model_config)
     diffs = [
         f"{key}: checkpoint {before.get(key)!r} vs run {now.get(key)!r}"
+        + (
+            f" (set by {MODEL_KEY_FLAGS[key]}: resume with {MODEL_KEY_FLAGS[key]} {before.get(key)})"
+            if key in MODEL_KEY_FLAGS
+            else ""
+        )
         for key in sorted(set(before) | set(now))
         if before.get(key) != now.get(key)
     ]

@@ -337,3 +337,17 @@ def test_tools_read_the_shared_mlp():
 if __name__ == "__main__":  # the interpreter child of test_triton_kernel_on_the_shared_model
     torch.set_num_threads(1)
     print(json.dumps(_triton_child()))
+
+
+def test_another_max_len_is_named_by_its_flag():
+    """A resume with another --max_len was reported as "from another model: max_seq_len", a key the
+    user never typed; the difference now names the flag and the value to resume with."""
+    from mdlmpe_ds.training.checkpoint import check_same_model
+
+    saved = preset("llada-tiny", position_encoding="mdlmpe", max_seq_len=48).to_dict()
+    now = preset("llada-tiny", position_encoding="mdlmpe", max_seq_len=64).to_dict()
+    with pytest.raises(
+        ValueError,
+        match=r"max_seq_len: checkpoint 48 vs run 64 \(set by --max_len: resume with --max_len 48\)",
+    ):
+        check_same_model(types.SimpleNamespace(model_config=saved, path="ckpt"), now)
