@@ -85,8 +85,11 @@ def named_corpus_file(name: str) -> Path:
 
 
 def _text_files(spec: str) -> list[Path] | None:
-    """Local .txt files named by ``spec`` (a path, a comma list or a directory), or None."""
-    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    """Local .txt files named by ``spec`` (a path, a comma list or a directory), or None. A path that
+    exists as written is one path, even if it holds a comma."""
+    parts = (
+        [spec] if "," in spec and Path(spec).exists() else [p.strip() for p in spec.split(",") if p.strip()]
+    )
     paths = [Path(p) for p in parts]
     if len(paths) == 1 and paths[0].is_dir():
         files = sorted(paths[0].glob("*.txt"))

@@ -114,3 +114,15 @@ def test_a_text_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     texts, _ = corpus_documents(str(tmp_path))
     with pytest.raises(ValueError, match=r"b\.txt is not valid UTF-8: byte 0xe9 at line 3, byte offset 11"):
         list(texts())
+
+
+def test_a_corpus_path_holding_a_comma_is_one_path(tmp_path):
+    """The corpus spec is a comma list; a file or directory that exists as written is one path."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    odd = tmp_path / "books, vol 1"
+    odd.mkdir()
+    (odd / "a.txt").write_text("one document\n", encoding="utf-8")
+    texts, source = corpus_documents(str(odd))
+    assert list(texts()) == ["one document"]
+    assert source["files"][0][0].endswith("books, vol 1/a.txt")
