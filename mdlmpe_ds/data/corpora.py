@@ -330,7 +330,7 @@ def prepare_stores(
     from transformers import AutoTokenizer
 
     path = tokenizer if Path(tokenizer).exists() else str(resolve_tokenizer(tokenizer))
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     return {
         role: load_packed_corpus(
             spec,

@@ -70,7 +70,9 @@ def load_tokenizer(path: str | Path) -> Any:
     """A Hugging Face tokenizer from a local directory or a hub id (read from the hub cache)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_local(path, "tokenizer")), local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(_local(path, "tokenizer")), local_files_only=True, trust_remote_code=False
+    )
 
 
 def _local(path: str | Path, what: str) -> Path:

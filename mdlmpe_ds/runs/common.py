@@ -54,7 +54,7 @@ def load_tokenizer_dir(directory: str | Path):
             "a hub id, or add the tokenizer files to this directory (e.g. hf download ORG/NAME "
             f"--include 'tokenizer*' --local-dir {path})"
         )
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def model_config_for(run: RunConfig, tokenizer):

@@ -288,3 +288,28 @@ def test_push_to_hub_uploads_the_export_to_a_local_mock_of_the_upload_api(
     local = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert received == local
     assert "modeling_mdlmpe.py" in received and "model.safetensors" in received
+
+
+def test_loading_an_exports_tokenizer_asks_nothing_and_reads_no_stdin(tmp_path, qwen_tokenizer_dir):
+    """An export's config has an auto_map (its modeling code); transformers' AutoTokenizer then asked
+    "Do you wish to run the custom code? [y/N]" on stdout and read the answer from stdin, so
+    `generate.py > out.txt` began with the question and `printf 'prompt' | generate.py --chat`
+    lost its prompts to it. Our loaders pass trust_remote_code=False: nothing asked, stdin untouched."""
+    import subprocess
+    import sys
+
+    model = _trained_looking("llada", "rope")
+    save_pretrained(model, tmp_path, model.config)
+    finish_export(tmp_path, "llada", qwen_tokenizer_dir)
+    code = (
+        "import sys; from mdlmpe_ds.runs.common import load_tokenizer_dir; "
+        "from mdlmpe_ds.evaluation.loading import load_tokenizer; "
+        f"load_tokenizer_dir({str(tmp_path)!r}); load_tokenizer({str(tmp_path)!r}); "
+        "print('left on stdin:', sys.stdin.read().strip())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], input="first prompt\n", capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "custom code" not in proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("left on stdin: first prompt")
