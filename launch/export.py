@@ -63,8 +63,10 @@ def export(
     # A model-only save of a stopped run (train.save_on_signal model) exports like a checkpoint.
     model_only = weights_only.is_weights_dir(checkpoint)
     step_dir = Path(checkpoint) if model_only else ckpt.resolve_checkpoint(checkpoint)
-    target = check_target(out, step_dir)  # never into a checkpoint or over a run (hub/export_target.py)
     saved = ckpt.read_saved_run(step_dir)
+    inputs = (saved.run_config["model"].get("model_name_or_path"), saved.run_config["data"].get("tokenizer"))
+    # never into a checkpoint, over a run or over its inputs (hub/export_target.py)
+    target = check_target(out, step_dir, inputs)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     state = checkpoint_state(step_dir)
     spec = lora.spec_of(saved.run_config)

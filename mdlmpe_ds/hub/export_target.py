@@ -12,6 +12,8 @@ The target is refused, by name, when the swap would destroy something that is no
 - a checkpoint directory, the ``checkpoints/`` folder or anything inside them (an export into
   ``STEP`` would overwrite the checkpoint's own ``config.json`` and make it unusable);
 - a training run's output_dir itself, or a directory that holds the checkpoint being exported;
+- the run's own model or tokenizer directory, or one inside or around it (a LoRA run's frozen base
+  lives there only);
 - an existing directory holding files an export never writes (they would be deleted).
 A new folder inside a run's output_dir (``outputs/run/export``) is fine: nothing of the run lives there.
 """
@@ -24,7 +26,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mdlmpe_ds.hub.export import TOKENIZER_FILES
@@ -63,11 +65,19 @@ def _is_run_dir(path: Path) -> bool:
     return (path / "checkpoints").is_dir()
 
 
-def check_target(out: str | Path, checkpoint: str | Path) -> Path:
+def check_target(out: str | Path, checkpoint: str | Path, inputs: Sequence[str | None] = ()) -> Path:
     """``out`` resolved, after the refusals of the module doc; ``checkpoint`` is the step directory
-    being exported."""
+    being exported, ``inputs`` the run's own input directories (its model and tokenizer: a LoRA
+    run's base, which its checkpoints do not hold; hub ids and None are skipped)."""
     out, checkpoint = Path(out).resolve(), Path(checkpoint).resolve()
     advice = "choose a new directory outside the checkpoints, e.g. <output_dir>/export"
+    for source in (Path(s).resolve() for s in inputs if s and Path(s).is_dir()):
+        if out == source or source in out.parents or out in source.parents:
+            raise ExportTargetError(
+                f"export target {out} {'is' if out == source else 'overlaps'} the run's input directory "
+                f"{source} (its model or tokenizer): replacing it would destroy what the run was trained "
+                "from, and a LoRA run could then be neither exported nor resumed; choose a new directory"
+            )
     if out == checkpoint or checkpoint in out.parents:
         relation = "is" if out == checkpoint else "is inside"
         raise ExportTargetError(
@@ -128,6 +138,19 @@ def _remove_debris(out: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+#: Names an export target may hold that the export itself does not write: the user's (a model card,
+#: generation defaults). A re-export carries them over instead of deleting them.
+USER_FILES = ("README.md", "generation_config.json")
+
+
+def _carry_user_files(out: Path, staging: Path) -> None:
+    """Copy ``USER_FILES`` of the earlier export in ``out`` into ``staging`` unless the new export
+    wrote its own: the swap replaces the whole directory."""
+    for name in USER_FILES:
+        if (out / name).is_file() and not (staging / name).exists():
+            shutil.copy2(out / name, staging / name)
+
+
 @contextlib.contextmanager
 def staged(out: Path) -> Iterator[Path]:
     """A fresh staging directory next to ``out``; after the block, ``out`` is exactly what was
@@ -141,6 +164,7 @@ def staged(out: Path) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
+        _carry_user_files(out, staging)
         _modes(staging)
         for path in [*staging.rglob("*"), staging]:
             _fsync(path)

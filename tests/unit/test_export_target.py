@@ -146,3 +146,40 @@ def test_other_runs_checkpoints_and_foreign_files_are_refused(tmp_path):
     for name in ("config.json", "model.safetensors", "modeling_mdlmpe.py", "tokenizer.json"):
         (earlier / name).write_text("x")
     assert check_target(earlier, step) == earlier.resolve()
+
+
+def test_a_re_export_keeps_the_users_model_card(tmp_path, qwen_tokenizer_dir):
+    """README.md and generation_config.json are names an export target may hold, but the export
+    writes neither: the whole-directory swap deleted a model card the user had added. It is
+    carried over now; the export's own files are replaced as before."""
+    out = tmp_path / "export"
+    _export(_model(0), out, qwen_tokenizer_dir)
+    (out / "README.md").write_text("# my model card\n")
+    (out / "generation_config.json").write_text('{"max_new_tokens": 64}\n')
+    weights = (out / "model.safetensors").read_bytes() if (out / "model.safetensors").exists() else None
+    _export(_model(1), out, qwen_tokenizer_dir)
+    assert (out / "README.md").read_text() == "# my model card\n"
+    assert (out / "generation_config.json").read_text() == '{"max_new_tokens": 64}\n'
+    if weights is not None:
+        assert (out / "model.safetensors").read_bytes() != weights  # the new export's weights
+
+
+def test_an_export_over_the_runs_own_base_is_refused(tmp_path):
+    """A LoRA run trained from an export directory, exported back into that directory: the swap
+    replaced the base with the merged model, and the run could then be neither exported as an
+    adapter nor resumed. The run's model and tokenizer directories (and folders inside or around
+    them) are refused; a hub id is not a directory and is skipped."""
+    run, step = _run(tmp_path)
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ):  # an earlier export: allowed otherwise
+        (base / name).write_text("x")
+    inputs = (str(base), "GSAI-ML/LLaDA-8B-Instruct")
+    for target, word in ((base, "is"), (base / "sub", "overlaps"), (tmp_path, "overlaps")):
+        with pytest.raises(ExportTargetError, match=rf"{word} the run's input directory {base.resolve()}"):
+            check_target(target, step, inputs)
+    assert check_target(run / "export", step, inputs) == (run / "export").resolve()
