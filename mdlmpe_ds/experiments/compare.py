@@ -32,6 +32,18 @@ REPO = Path(__file__).resolve().parents[2]
 # The pretraining command every run executes, from the repository root (a subprocess, never imported).
 PRETRAIN_SCRIPT = "launch/pretrain.py"
 SUMMARY = "summary.json"
+#: The pretraining command (script and flags) a run finished with, written by ``train_all``.
+COMMAND = "compare_command.json"
+
+
+def _finished_with(directory: Path) -> list[str] | None:
+    """The flags the run in ``directory`` finished with (None: not recorded, or unreadable)."""
+    try:
+        return json.loads((directory / COMMAND).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 EVAL = "eval.json"
 
 # Encoding name -> pretraining overrides. The mdlmpe-{binary,gaussian,basis} rows are paper Table 4's
@@ -97,15 +109,21 @@ def train_all(
     forwarded: list[str],
     launcher: list[str],
 ) -> None:
-    """Pretrain every (encoding, seed) that has no summary.json yet; a failure names its log."""
+    """Pretrain every (encoding, seed) that has not finished with this command (its summary.json
+    and ``COMMAND``); a failure names its log.
+
+    A run that finished with other flags (e.g. a smaller --max_steps) is run again with these: its
+    ``--resume auto`` continues it to the new length, or refuses a change a resume may not make
+    (resume_changes.py). Reusing it by its summary alone reported it as trained with these flags."""
     for seed in seeds:
         for encoding in encodings:
             directory = run_dir(out, encoding, seed)
-            if (directory / SUMMARY).is_file():
+            cmd = pretrain_command(launcher, encoding, seed, directory, ds_config, forwarded)
+            flags = cmd[len(launcher) :]  # the script and its flags, not how it is launched
+            if (directory / SUMMARY).is_file() and _finished_with(directory) == flags:
                 print(f"[compare] {encoding} seed {seed}: finished earlier, reusing {directory}", flush=True)
                 continue
             directory.mkdir(parents=True, exist_ok=True)
-            cmd = pretrain_command(launcher, encoding, seed, directory, ds_config, forwarded)
             log = directory / "train.log"
             print(f"[compare] {encoding} seed {seed}: training ({shlex.join(cmd)}), log {log}", flush=True)
             start = time.perf_counter()
@@ -118,6 +136,9 @@ def train_all(
                     "fix the cause and run the same command again: finished runs are reused and this "
                     "one resumes from its last complete checkpoint"
                 )
+            tmp = directory / f"{COMMAND}.tmp"
+            tmp.write_text(json.dumps(flags) + "\n")
+            tmp.replace(directory / COMMAND)
             summary = json.loads((directory / SUMMARY).read_text())
             val = (summary.get("validation") or {}).get("val/ppl")
             print(

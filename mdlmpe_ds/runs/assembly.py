@@ -88,6 +88,10 @@ def run_inputs(run: RunConfig, kind: RunKind) -> RunInputs:
     return RunInputs(local, str(tok_dir), source, tokenizer, model_config_for(local, tokenizer))
 
 
+#: Written by a run that finished (runs/pretrain_run.write_summary; compare_pe.py reuses it).
+FINISHED_SUMMARY = "summary.json"
+
+
 def make_trainer(
     run: RunConfig,
     engine,
@@ -164,6 +168,8 @@ def assemble_and_train(
         resolved,
     )
     set_newer_aside(resume_from, run)  # the checkpoint has loaded: every check has passed
+    if process_group.rank() == 0:  # a finished run's summary is not this run's, until it ends
+        (Path(run.train.output_dir) / FINISHED_SUMMARY).unlink(missing_ok=True)
     summary = trainer.train()
     summary.update(
         {"total_updates": total, "tokenizer": inputs.tokenizer_dir, "output_dir": run.train.output_dir}

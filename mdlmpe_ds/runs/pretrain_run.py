@@ -24,7 +24,14 @@ from mdlmpe_ds.data.sampler import LengthGroupedSampler
 from mdlmpe_ds.data.spm_tokenizer import train_sentencepiece
 from mdlmpe_ds.diffusion.elbo import scored_positions
 from mdlmpe_ds.distributed import process_group
-from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, store_dir
+from mdlmpe_ds.runs.assembly import (
+    FINISHED_SUMMARY,
+    RunData,
+    RunInputs,
+    RunKind,
+    assemble_and_train,
+    store_dir,
+)
 from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
 from mdlmpe_ds.tasks.pretrain import PretrainTask
 from mdlmpe_ds.training.faults import NO_FAULTS, Faults
@@ -180,7 +187,8 @@ def run_pretrain(
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    """``summary.json`` (written last, atomically): the run finished; compare_pe.py reuses it."""
-    tmp = out / "summary.json.tmp"
+    """``summary.json`` (written last, atomically): the run finished; compare_pe.py reuses it. A run
+    that starts training removes it first (runs/assembly.py)."""
+    tmp = out / f"{FINISHED_SUMMARY}.tmp"
     tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    tmp.replace(out / "summary.json")
+    tmp.replace(out / FINISHED_SUMMARY)

@@ -53,6 +53,8 @@ def straight(tmp_path_factory, data):
 
 def test_straight_equals_interrupted(straight, data, tmp_path):
     out = tmp_path / "interrupted"
+    out.mkdir()
+    (out / "summary.json").write_text('{"finished": true}')  # stale: a run that starts removes it
     check(launch([*data, "--output_dir", str(out), "--stop_at", "3"]), "first half")
     assert max(metrics(out)) == 3 and not (out / "summary.json").exists()  # stopped early: no summary
     check(launch([*data, "--output_dir", str(out), "--resume", "auto"]), "resumed half")

@@ -347,3 +347,33 @@ def test_a_loss_of_the_other_family_gets_masks_it_can_score(loss, family):
     else:
         loss_value, _ = llada_pretrain_loss(logits, batch["input_ids"], masked, p)
     assert torch.isfinite(loss_value)
+
+
+def test_compare_reuses_a_run_only_if_it_finished_with_the_same_flags(tmp_path):
+    """compare_pe.py reused a finished run by its summary.json alone: re-run with a larger
+    --max_steps, it reported the new length for a run trained to the old one. A run is reused only
+    when it finished with the same command; otherwise the command runs again (its --resume auto
+    continues the run to the new length)."""
+    import sys
+
+    from mdlmpe_ds.experiments import compare
+
+    calls = tmp_path / "calls.txt"
+    fake = (  # a pretraining that records its flags and finishes
+        "import sys, pathlib; args = sys.argv[1:]; "
+        "out = pathlib.Path(args[args.index('--output_dir') + 1]); "
+        f"open({str(calls)!r}, 'a').write(' '.join(args) + '\\n'); "
+        "(out / 'summary.json').write_text('{}')"
+    )
+    launcher = [sys.executable, "-c", fake]
+
+    def train(*flags):
+        compare.train_all(["rope"], [0], tmp_path / "out", "ds.json", list(flags), launcher)
+        return calls.read_text().splitlines()
+
+    assert len(train("--max_steps", "2")) == 1
+    assert len(train("--max_steps", "2")) == 1  # the same command: reused
+    ran = train("--max_steps", "6")
+    assert len(ran) == 2 and "--max_steps 6" in ran[-1]  # other flags: run again (resume auto)
+    (compare.run_dir(tmp_path / "out", "rope", 0) / compare.COMMAND).unlink()  # a run from before the record
+    assert len(train("--max_steps", "6")) == 3
