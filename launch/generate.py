@@ -66,6 +66,30 @@ def _bool(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+def check_tokenizer(tokenizer: Any, given: str, vocab_size: int, recorded: str | None) -> None:
+    """A ``--tokenizer`` other than the run's: refuse one with ids past the model's vocabulary (an
+    IndexError deep in the embedding, naming nothing), and warn when its vocabulary differs from the
+    recorded one (its ids mean other text: the output is fluent-looking garbage)."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise SystemExit(
+            f"--tokenizer {given}: {size:,} tokens, but the model's vocabulary has {vocab_size:,}; "
+            f"use the tokenizer it was trained with{f' ({recorded})' if recorded else ''}"
+        )
+    if recorded is None:
+        return
+    try:
+        trained = load_tokenizer(recorded)
+    except (OSError, ValueError):
+        return  # the recorded one is gone: nothing to compare with
+    if trained.get_vocab() != tokenizer.get_vocab():
+        print(
+            f"warning: --tokenizer {given} is not the tokenizer the model was trained with ({recorded}): "
+            "its ids stand for other text",
+            file=sys.stderr,
+        )
+
+
 class Session:
     """Model + tokenizer + sampler options; renders prompts and decodes responses."""
 
@@ -75,6 +99,8 @@ class Session:
         if tokenizer_dir is None:
             raise SystemExit(f"{args.checkpoint}: no tokenizer recorded; pass --tokenizer DIR")
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        if args.tokenizer is not None:
+            check_tokenizer(self.tokenizer, args.tokenizer, self.model.config.vocab_size, run_tokenizer)
         self.config = SamplerConfig(
             **{f.name: getattr(args, f.name) for f in fields(SamplerConfig)}
         ).validate()

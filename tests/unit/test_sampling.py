@@ -499,3 +499,35 @@ def test_generate_launcher_from_a_training_output_dir(tmp_path, llada, monkeypat
     cfg = SamplerConfig(gen_length=8, steps=4)
     expected = generate(llada, [tok.encode("Hi")], cfg).responses[0]
     assert out.getvalue() == tok.decode(trim_at_eos(expected, 510), skip_special_tokens=True) + "\n"
+
+
+def test_generate_refuses_or_warns_about_a_tokenizer_the_model_was_not_trained_with(monkeypatch, capsys):
+    """launch/generate.py --tokenizer: one with ids past the model's vocabulary gave an IndexError
+    from the embedding, and one of the same size from another corpus printed fluent-looking garbage
+    with exit 0. The first is refused naming both sizes, the second warned about."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return self.vocab
+
+    trained = Tok({"a": 0, "b": 1, "c": 2})
+    monkeypatch.setattr(cli, "load_tokenizer", lambda d: trained)
+    with pytest.raises(SystemExit, match=r"--tokenizer big: 5 tokens, but the model's vocabulary has 3"):
+        cli.check_tokenizer(Tok(dict.fromkeys("abcde", 0)), "big", 3, "run/tok")
+    cli.check_tokenizer(Tok({"x": 0, "y": 1, "z": 2}), "other", 3, "run/tok")
+    assert "is not the tokenizer the model was trained with (run/tok)" in capsys.readouterr().err
+    cli.check_tokenizer(Tok({"a": 0, "b": 1, "c": 2}), "same", 3, "run/tok")
+    assert capsys.readouterr().err == ""
