@@ -371,16 +371,38 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         import yaml  # PyYAML comes with jsonargparse; only needed for YAML files
 
+        class _UniqueKeys(yaml.SafeLoader):
+            """PyYAML keeps the last of two equal keys (a second ``train:`` section) without a word."""
+
+            def construct_mapping(self, node, deep=False):
+                seen = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=deep)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice", key_node.start_mark
+                        )
+                    seen.add(key)
+                return super().construct_mapping(node, deep=deep)
+
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader subclass
         except yaml.YAMLError as err:  # its own text names "<unicode string>", not the file
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"{path}:{where}: not valid YAML: {problem}") from None
     else:
+
+        def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [k for k, _ in pairs]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"{path}: key {twice[0]!r} is given twice in one object; keep one")
+            return dict(pairs)
+
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=unique)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON: {err}") from err
     return typed_mapping(data or {}, str(path))
@@ -392,11 +414,22 @@ def typed_mapping(data: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     flat: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # canonical key -> how the source wrote it first
+
+    def put(written: str, value: Any) -> None:
+        key = canonical_key(written, source)
+        if key in flat:  # "lr" and "optim.lr": one would silently win by its place in the file
+            raise ValueError(
+                f"{source}: {key} is given twice (as {spelled[key]!r} and {written!r}); keep one"
+            )
+        flat[key], spelled[key] = value, written
+
     for key, value in data.items():
         if key in SECTIONS and isinstance(value, dict):
-            flat.update({canonical_key(f"{key}.{k}", source): v for k, v in value.items()})
+            for name, inner in value.items():
+                put(f"{key}.{name}", inner)
         else:
-            flat[canonical_key(key, source)] = value
+            put(key, value)
     if isinstance(flat.get("model.lora"), dict):
         flat["model.lora"] = lora_spec.from_mapping(flat["model.lora"], f"{source}: model.lora").text()
     if isinstance(flat.get("model.mdlmpe"), MDLMPEConfig):

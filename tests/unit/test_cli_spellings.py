@@ -74,3 +74,26 @@ def test_sft_names_the_pretraining_keys_it_ignores():
 
     given = ["data.validation", "train.eval_every", "optim.lr", "train.max_steps"]
     assert pretrain_only_keys(given) == ["data.validation", "train.eval_every"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("a.yaml", "lr: 0.5\noptim:\n  lr: 0.001\n", r"optim.lr is given twice \(as 'lr' and 'optim.lr'\)"),
+        (
+            "b.yaml",
+            "train:\n  max_steps: 5\ntrain:\n  seed: 3\n",
+            r"not valid YAML: key 'train' is given twice",
+        ),
+        ("c.json", '{"optim": {"lr": 0.1}, "optim": {"lr": 0.2}}', r"key 'optim' is given twice"),
+    ],
+)
+def test_a_config_key_given_twice_is_refused(tmp_path, name, text, message):
+    """One key in two spellings (lr and optim.lr), or a section twice: one silently won by its place
+    in the file (PyYAML and json keep the last)."""
+    from mdlmpe_ds.config.cli import build_config
+
+    config = tmp_path / name
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        build_config(str(config), [])
