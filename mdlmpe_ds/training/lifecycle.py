@@ -48,10 +48,14 @@ def _on_signal(signum: int, frame) -> None:
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process, or None."""
+    """(parent pid, start time in clock ticks) of a live process, or None. A zombie (state Z: exited,
+    not yet reaped by its parent) or a dead one (X) is not live: a SIGKILLed launcher stays a zombie
+    until its own parent reaps it, and the ranks must see it gone at once."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+    if fields[0] in ("Z", "X"):
         return None
     return int(fields[1]), int(fields[19])
 

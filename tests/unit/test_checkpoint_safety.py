@@ -400,3 +400,27 @@ def test_a_restarted_job_resumes_instead_of_refusing_or_overwriting(monkeypatch)
     )
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert resume_on_restart(None)[1].startswith("TORCHELASTIC_RESTART_COUNT=1:")
+
+
+def test_a_zombie_launcher_counts_as_gone():
+    """A SIGKILLed launcher stays a zombie until its parent reaps it; /proc still lists it, so the
+    ranks' watchdog took it for alive and noticed ~2 s (6 updates) late. A zombie is not live."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mdlmpe_ds.training import lifecycle
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert lifecycle._stat(child.pid) is not None
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while "Z" not in Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]:
+            assert time.monotonic() < deadline, "the child did not become a zombie"
+            time.sleep(0.05)
+        assert lifecycle._stat(child.pid) is None  # not reaped yet, and already gone
+    finally:
+        child.kill()
+        child.wait()
