@@ -297,8 +297,22 @@ def _dataset_texts(path, config, split, data_files, column, max_documents) -> It
     ds = datasets.load_dataset(path, config, split=split, data_files=data_files)
     if column not in ds.column_names:
         raise KeyError(f"dataset {path!r} split {split!r} has no column {column!r} ({ds.column_names})")
-    texts = (row[column] for row in ds)
-    texts = (t for t in texts if t and t.strip())
+    where = data_files or path
+
+    def documents() -> Iterator[str]:
+        for index, row in enumerate(ds):
+            text = row[column]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"corpus {where}: row {index} has {type(text).__name__} {text!r} in column {column!r}, "
+                    "expected a string (a document's text)"
+                )
+            if text.strip():
+                yield text
+
+    texts = documents()
     return itertools.islice(texts, max_documents) if max_documents is not None else texts
 
 

@@ -126,3 +126,14 @@ def test_a_corpus_path_holding_a_comma_is_one_path(tmp_path):
     texts, source = corpus_documents(str(odd))
     assert list(texts()) == ["one document"]
     assert source["files"][0][0].endswith("books, vol 1/a.txt")
+
+
+def test_a_corpus_row_whose_text_is_not_a_string_is_named(tmp_path):
+    """A .jsonl corpus with {"text": 5} failed with "'int' object has no attribute 'strip'"."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": null}\n{"text": 5}\n')
+    texts, _ = corpus_documents(str(bad))
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 2 has int 5 in column 'text', expected a string"):
+        list(texts())
