@@ -27,6 +27,7 @@ every rank maps read-only; memory per rank does not grow with the corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -179,6 +180,27 @@ def load_packed_corpus(
         streaming=streaming,
     )  # fmt: skip
     sep = separator_for(tokenizer, separator_id)
+    with _named_corpus(spec, role):
+        return _packed(
+            texts, source, spec, tokenizer, seq_len, sep, text_column, max_documents, cache_dir, workers
+        )
+
+
+@contextlib.contextmanager
+def _named_corpus(spec: str, role: str) -> Iterator[None]:
+    """An empty corpus fails deep in the store or the packer ("no non-empty documents"), naming a
+    cache path: name the corpus and whether it is the training or the validation data."""
+    try:
+        yield
+    except ValueError as err:
+        if "no non-empty documents" not in str(err):
+            raise
+        what = "training" if role == "train" else "validation / evaluation"
+        raise ValueError(f"{what} corpus {spec!r} has no non-empty documents ({err})") from err
+
+
+def _packed(texts, source, spec, tokenizer, seq_len, sep, text_column, max_documents, cache_dir, workers):
+    """``load_packed_corpus`` after the corpus is resolved: in memory, or through a token store."""
     if cache_dir is None:
         return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
 

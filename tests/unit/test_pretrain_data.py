@@ -137,3 +137,17 @@ def test_a_corpus_row_whose_text_is_not_a_string_is_named(tmp_path):
     texts, _ = corpus_documents(str(bad))
     with pytest.raises(ValueError, match=r"bad\.jsonl: row 2 has int 5 in column 'text', expected a string"):
         list(texts())
+
+
+def test_an_empty_validation_corpus_is_named(tmp_path, qwen):
+    """A blank validation .txt failed with "token store .../store-50089c...: no non-empty documents",
+    naming a cache path, not the corpus or its role."""
+    from mdlmpe_ds.data.corpora import load_packed_corpus
+
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n", encoding="utf-8")
+    for cache in (None, tmp_path / "stores"):
+        with pytest.raises(
+            ValueError, match=r"validation / evaluation corpus '.*blank\.txt' has no non-empty"
+        ):
+            load_packed_corpus(str(blank), qwen, 8, cache_dir=cache, role="eval")
