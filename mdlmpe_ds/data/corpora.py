@@ -97,6 +97,14 @@ def _text_files(spec: str) -> list[Path] | None:
         if not files:
             raise FileNotFoundError(f"corpus directory {paths[0]} holds no *.txt files")
         return files
+    if len(paths) > 1:  # a comma list: .txt files only
+        for p in paths:
+            if p.suffix in TABULAR_SUFFIXES or p.is_dir():
+                kind = "a directory" if p.is_dir() else f"a {p.suffix} file"
+                raise ValueError(
+                    f"corpus {spec!r}: a comma list takes .txt files, and {p} is {kind}; give a directory "
+                    "or a .jsonl / .parquet corpus alone"
+                )
     if any(p.suffix == ".txt" or p.is_file() for p in paths) and not any(
         p.suffix in TABULAR_SUFFIXES for p in paths
     ):

@@ -151,3 +151,19 @@ def test_an_empty_validation_corpus_is_named(tmp_path, qwen):
             ValueError, match=r"validation / evaluation corpus '.*blank\.txt' has no non-empty"
         ):
             load_packed_corpus(str(blank), qwen, 8, cache_dir=cache, role="eval")
+
+
+def test_a_comma_list_says_what_it_takes(tmp_path):
+    """A comma list with a .jsonl was reported as one missing file named by the whole list, and
+    one with a directory as "corpus file(s) not found: DIR" although DIR exists."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    (tmp_path / "a.txt").write_text("x\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    (tmp_path / "d").mkdir()
+    for other, kind in (("b.jsonl", "a .jsonl file"), ("d", "a directory")):
+        spec = f"{tmp_path / 'a.txt'},{tmp_path / other}"
+        with pytest.raises(ValueError, match=rf"a comma list takes \.txt files, and .*{other} is {kind}"):
+            corpus_documents(spec)
+    texts, _ = corpus_documents(f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}")
+    assert len(list(texts())) == 2
