@@ -78,6 +78,14 @@ def load_tokenizer(path: str | Path) -> Any:
 def _local(path: str | Path, what: str) -> Path:
     """A local path as is; a hub id (``org/name``) through the hub cache or ``snapshot_download``."""
 
-    if Path(path).exists() or not looks_like_hub_id(str(path)):
+    if Path(path).exists():
+        return Path(path)
+    if not looks_like_hub_id(str(path)):
+        if what == "tokenizer":  # transformers would call it a malformed repo id
+            raise FileNotFoundError(
+                f"the tokenizer directory {path} does not exist (a run records where its tokenizer was "
+                "when it trained: was it moved or deleted? put it back, or point to the new place: "
+                "launch/generate.py --tokenizer DIR)"
+            )
         return Path(path)
     return resolve(str(path), what=what, tokenizer=what == "tokenizer")

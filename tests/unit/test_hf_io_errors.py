@@ -58,3 +58,12 @@ def test_truncated_json_is_named(tmp_path, name):
     _truncate(tmp_path / name, 40)
     with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: not valid JSON"):
         load_pretrained(tmp_path)
+
+
+def test_a_moved_tokenizer_directory_is_named(tmp_path):
+    """A run's recorded tokenizer directory that was moved gave transformers' "Repo id must be in
+    the form 'repo_name'" error; it is now named as a missing directory."""
+    from mdlmpe_ds.evaluation.loading import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match=r"the tokenizer directory .*moved_tok does not exist"):
+        load_tokenizer(str(tmp_path / "moved_tok"))
