@@ -299,6 +299,7 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
 
     source = {
         "files": [(str(f.resolve()), f.stat().st_size, file_sha256(f)) for f in files],
+        "normalisation": TEXT_NORMALISATION,
         "documents": mode,
         "detokenizer": detokenizer,
         "corpus": name,
@@ -306,12 +307,19 @@ def _file_texts(files: list[Path], mode: str, detokenizer: str | None, name: str
     return texts, source
 
 
+#: How _read_utf8 normalises a text file (part of every .txt corpus's store key: a change rebuilds).
+TEXT_NORMALISATION = "utf-8-sig, CRLF -> LF"
+
+
 def _read_utf8(path: Path) -> str:
-    """The text of a pretraining file; bytes that are not UTF-8 are an error naming the file, the
+    """The text of a pretraining file, with a UTF-8 byte-order mark dropped and Windows line ends
+    (CRLF) made LF: with CRLF, a blank line is "\r\n\r\n", which the paragraph split
+    (packing.split_documents) does not see, so a whole file became one document; the BOM was the
+    first document's first character. Bytes that are not UTF-8 are an error naming the file, the
     line and the byte offset (Python's names neither the file nor the line)."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig").replace("\r\n", "\n")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(

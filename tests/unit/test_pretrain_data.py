@@ -167,3 +167,21 @@ def test_a_comma_list_says_what_it_takes(tmp_path):
             corpus_documents(spec)
     texts, _ = corpus_documents(f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}")
     assert len(list(texts())) == 2
+
+
+def test_crlf_paragraphs_split_and_the_bom_is_dropped(tmp_path):
+    """A Windows-saved .txt (CRLF, a byte-order mark): its paragraphs became one document (a blank
+    line is \\r\\n\\r\\n) and the first began with U+FEFF. The same text saved with LF gives the same
+    documents now."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    paragraphs = ["First para,\nline two.", "Second para.", "Third."]
+    unix = tmp_path / "unix.txt"
+    unix.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    windows = tmp_path / "windows.txt"
+    windows.write_bytes(
+        b"\xef\xbb\xbf" + ("\r\n\r\n".join(p.replace("\n", "\r\n") for p in paragraphs) + "\r\n").encode()
+    )
+    texts_unix, _ = corpus_documents(str(unix), split="paragraph")
+    texts_windows, _ = corpus_documents(str(windows), split="paragraph")
+    assert list(texts_windows()) == list(texts_unix()) and len(list(texts_unix())) == 3
