@@ -27,6 +27,23 @@ from pathlib import Path
 
 import torch
 
+#: Where results go without --out. A second evaluation there would replace the first one's files.
+DEFAULT_OUT = "outputs/eval/perplexity"
+
+
+def keep_earlier(prefix: Path) -> None:
+    """Move an earlier evaluation's ``<prefix>.md`` / ``.json`` aside to ``<prefix>-<mtime>.*``
+    (the default --out only: a path the user names is theirs to overwrite)."""
+    import time
+
+    for suffix in (".md", ".json"):
+        old = prefix.with_suffix(suffix)
+        if old.is_file():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
+            kept = old.with_name(f"{prefix.name}-{stamp}{suffix}")
+            old.rename(kept)
+            print(f"kept the earlier results {old} as {kept}", file=sys.stderr)
+
 
 def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.data.corpora import EVAL_CORPORA
@@ -55,11 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default=None, help="torch device (default: cuda when available, else cpu)"
     )
-    parser.add_argument("--out", default="outputs/eval/perplexity", help="output prefix (.md / .json)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"output prefix (.md / .json); default {DEFAULT_OUT}, whose earlier results are kept "
+        "beside it with their time",
+    )
     parser.add_argument(
         "--corruption", nargs="+", default=None, choices=LAYOUTS, help="score by mask layout (paired)"
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT
+        keep_earlier(Path(DEFAULT_OUT))
     from mdlmpe_ds.training.log_setup import configure
 
     configure(stream="stderr")  # stdout holds the results table

@@ -67,3 +67,24 @@ def test_a_moved_tokenizer_directory_is_named(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=r"the tokenizer directory .*moved_tok does not exist"):
         load_tokenizer(str(tmp_path / "moved_tok"))
+
+
+def test_a_second_evaluation_keeps_the_first_ones_results(tmp_path):
+    """launch/evaluate.py without --out wrote outputs/eval/perplexity.{md,json} over the previous
+    evaluation's: they are kept beside it with their time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "evaluate.py"
+    spec = importlib.util.spec_from_file_location("evaluate_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    prefix = tmp_path / "perplexity"
+    for suffix in (".md", ".json"):
+        prefix.with_suffix(suffix).write_text("first" + suffix)
+    cli.keep_earlier(prefix)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert len(kept) == 2 and all(name.startswith("perplexity-") for name in kept)
+    assert {p.read_text() for p in tmp_path.iterdir()} == {"first.md", "first.json"}
+    cli.keep_earlier(prefix)  # nothing there: nothing moved
+    assert len(list(tmp_path.iterdir())) == 2
