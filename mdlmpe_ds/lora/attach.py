@@ -95,10 +95,11 @@ def keep_base(model: nn.Module, run, resume_from: Path | None) -> None:
         raise ValueError(
             f"{source}: not this model's base (missing {missing[:5]}, has {len(tensors)} tensors)"
         )
-    setattr(model, IDENTITY_ATTR, recorded or base_identity(source))
+    identity = recorded or base_identity(source)
+    setattr(model, IDENTITY_ATTR, identity)
     eng.copy_into(model, tensors)
     if process_group.rank() == 0:  # another run's checkpoint: this run keeps its own copy
-        copied = adopt_base(source, run.train.output_dir)
+        copied = adopt_base(source, run.train.output_dir, identity)
         if copied is not None:
             log.info(
                 f"copied the frozen LoRA base {source} to {copied}: this run no longer needs {source.parent}"

@@ -53,18 +53,17 @@ def find_base_file(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
     )
 
 
-def adopt_base(source: Path, output_dir: str | Path) -> Path | None:
+def adopt_base(source: Path, output_dir: str | Path, identity: dict[str, Any]) -> Path | None:
     """Rank 0, when a preset LoRA run resumes from another run's checkpoint: copy that run's base
-    file into this run's ``output_dir`` (atomic: a temporary file, fsync, rename), unless that has
-    one (the same file, or one whose identity the next resume checks against the checkpoint's
-    record). Returns the copy, or None when nothing was copied.
+    file (``identity``: its ``base_identity``, known to the caller) into this run's ``output_dir``
+    (atomic: a temporary file, fsync, rename), unless the file there is that base already (the same
+    file, or the same identity). A file there of another identity, a stale leftover, is replaced.
+    Returns the copy, or None when nothing was copied.
 
     Why: this run's checkpoints hold adapters only; without its own copy the run could later be
     neither resumed nor exported once the other run's directory is moved or deleted."""
     target = base_file(output_dir)
-    if target.exists() and (
-        target.resolve() == source.resolve() or target.stat().st_size == source.stat().st_size
-    ):
+    if target.exists() and (target.resolve() == source.resolve() or base_identity(target) == identity):
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")

@@ -399,10 +399,15 @@ def test_a_run_resumed_from_another_runs_checkpoint_keeps_its_own_base(tmp_path)
     source = tmp_path / "a" / lora_spec.BASE_FILE
     source.parent.mkdir()
     source.write_bytes(b"base" * 1000)
-    copy = lora_base.adopt_base(source, tmp_path / "b")
+    identity = lora_base.base_identity(source)
+    copy = lora_base.adopt_base(source, tmp_path / "b", identity)
     assert copy == tmp_path / "b" / lora_spec.BASE_FILE and copy.read_bytes() == source.read_bytes()
-    assert not list((tmp_path / "b").glob("*.tmp")) and lora_base.adopt_base(source, tmp_path / "b") is None
-    assert lora_base.adopt_base(source, tmp_path / "a") is None  # its own run: nothing to copy
+    assert not list((tmp_path / "b").glob("*.tmp"))
+    assert lora_base.adopt_base(source, tmp_path / "b", identity) is None
+    assert lora_base.adopt_base(source, tmp_path / "a", identity) is None  # its own run: nothing to copy
+    copy.write_bytes(b"stale" * 800)  # a leftover of another base, even of the same size: replaced
+    assert lora_base.adopt_base(source, tmp_path / "b", identity) == copy
+    assert copy.read_bytes() == source.read_bytes()
     step = tmp_path / "c" / "checkpoints" / "step_000004"
     step.mkdir(parents=True)
     with pytest.raises(FileNotFoundError) as err:
