@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from mdlmpe_ds.attention.common import check_inputs, masked_key_bias, repeat_kv, route_active_heads
 from mdlmpe_ds.attention.triton.backend import check_triton_available
 from mdlmpe_ds.attention.triton.launch import (
-    PAIR_KERNELS,
     PairLaunchConfig,
     device_capability,
     pair_backward_splits,
@@ -223,23 +222,29 @@ class _PairBias(torch.autograd.Function):
         half, planes = ctx.half
         # An fp16 backward kernel takes dE = dBias * scale * shift (max |dE| in [1, 2)); its
         # outputs are divided by the shift here, in fp32 (exact: a power of two).
-        shift = dbias_shift(dbias, consts[0]) if set(half) & set(PAIR_KERNELS[1:]) else 1.0
-        shifted = {k: (shift if k in half else 1.0) for k in PAIR_KERNELS[1:]}
-        q_consts, k_consts = ((consts[0] * shifted[k], *consts[1:]) for k in PAIR_KERNELS[1:])
+        scale, *rest = consts
+        shift = dbias_shift(dbias, scale) if {"pair_backward_q", "pair_backward_k"} & set(half) else 1.0
+        q_shift = shift if "pair_backward_q" in half else 1.0
+        k_shift = shift if "pair_backward_k" in half else 1.0
         kern.pair_bias_bwd_q_kernel[(row_tiles, key_splits, batch)](
             *mlp, *planes("pair_backward_q", qpair, kpair), dbias, dqpair, dw1, db1, dw2, db2, *dims,
-            *q_consts, key_tiles, **launch("pair_backward_q"),
+            scale * q_shift, *rest, key_tiles, **launch("pair_backward_q"),
         )  # fmt: skip
         kern.pair_bias_bwd_k_kernel[(math.ceil(length / key_side.tile_n), row_splits, batch)](
-            *mlp, *planes("pair_backward_k", qpair), dbias, dkpair, *dims, *k_consts, row_tiles_each,
-            **launch("pair_backward_k"),
+            *mlp, *planes("pair_backward_k", qpair), dbias, dkpair, *dims, scale * k_shift, *rest,
+            row_tiles_each, **launch("pair_backward_k"),
         )  # fmt: skip
         # torch's reductions over a dimension add in a fixed order on every device: deterministic.
-        unshift_q, unshift_k = (1.0 / shifted[k] for k in PAIR_KERNELS[1:])
-        dq = _scatter_pairs(dqpair.sum(0) * unshift_q, pairs, q_shape)
-        dk = _scatter_pairs(dkpair.sum(0) * unshift_k, pairs, k_shape)
-        mlp_grads = (g.sum(0) * unshift_q for g in (dw1, db1, dw2, db2))
+        dq = _scatter_pairs(_unshifted(dqpair.sum(0), q_shift), pairs, q_shape)
+        dk = _scatter_pairs(_unshifted(dkpair.sum(0), k_shift), pairs, k_shape)
+        mlp_grads = (_unshifted(g.sum(0), q_shift) for g in (dw1, db1, dw2, db2))
         return dq, dk, None, None, *mlp_grads, *(None,) * 5
+
+
+def _unshifted(grad: torch.Tensor, shift: float) -> torch.Tensor:
+    """``grad`` of a kernel that ran with dE scaled by ``shift`` (``dbias_shift``), unscaled in place
+    (exact); no pass over it when nothing was scaled (fp32 kernels)."""
+    return grad if shift == 1.0 else grad.div_(shift)
 
 
 def _scatter_pairs(dpair: torch.Tensor, pairs: torch.Tensor, shape: torch.Size) -> torch.Tensor:

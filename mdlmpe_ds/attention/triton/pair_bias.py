@@ -159,8 +159,8 @@ def _tile_phases(
 
 @triton.jit
 def _in_pair_dtype(xs, PAIR_DT: tl.constexpr):
-    """A tuple of tiles in the pair arithmetic's dtype PAIR_DT: fp32 as shipped (no instruction),
-    fp16 in the probe of benchmarks/gpu_cost/half_pairs.py (packed two to a register)."""
+    """A tuple of tiles in the pair arithmetic's dtype PAIR_DT: fp32 by default (no instruction),
+    fp16 under ``PairLaunchConfig.half_pairs`` (packed two to a register)."""
     out = ()
     for c in tl.static_range(len(xs)):
         out = out + (xs[c].to(PAIR_DT),)  # noqa: RUF005
@@ -168,14 +168,11 @@ def _in_pair_dtype(xs, PAIR_DT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_zeros(
-    BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr, DT: tl.constexpr = tl.float32
-):
-    """NC zero tiles [BM, BN, MC] of dtype DT (fp32 unless given): one accumulator per pair chunk,
-    a tuple."""
+def _chunk_zeros(BM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, NC: tl.constexpr):
+    """NC fp32 zero tiles [BM, BN, MC]: one accumulator per pair chunk, a tuple."""
     zeros = ()
     for _chunk in tl.static_range(NC):
-        zeros = zeros + (tl.zeros((BM, BN, MC), DT),)  # noqa: RUF005
+        zeros = zeros + (tl.zeros((BM, BN, MC), tl.float32),)  # noqa: RUF005
     return zeros
 
 
@@ -243,7 +240,7 @@ def pair_bias_fwd_kernel(
     alphas = _in_pair_dtype(alphas, PAIR_DT)
     betas = _in_pair_dtype(betas, PAIR_DT)
     # 2. Per head: E = sum_m alpha C + beta S on the tile, in fp32 (summed over the pairs once per
-    #    head); the bias in the model dtype. PAIR_DT fp16 (a probe): the per-pair products and the
+    #    head); the bias in the model dtype. PAIR_DT fp16 (half_pairs): the per-pair products and the
     #    sum over the chunks in fp16, as q1 u1 + q2 u2 with u = (alpha k1 - beta k2, alpha k2 +
     #    beta k1) (|u| <= 0.28 |k|: far from fp16's overflow, where C, S need not be), then fp32.
     for h in range(HQ):
@@ -335,7 +332,7 @@ def pair_bias_bwd_q_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         dds = _chunk_zeros(BM, BN, MC, NC)
-        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head products in fp16,
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (half_pairs): the per-head products in fp16,
         be_h = _in_pair_dtype(betas, PAIR_DT)  # every sum (keys, heads, key tiles) in fp32
         # 2. Per head (its dE tile loaded once for all chunks): the query pair gradient (P = dE
         #    (alpha + i beta) times z_k, summed over the keys) and dE/d delta = -beta C +
@@ -456,7 +453,7 @@ def pair_bias_bwd_k_kernel(
             BM, BN, FP, HP, MC, NC, PREC, POLY,
         )  # fmt: skip
         ds_next = _ds_tile(dbias, b, 0, rows, cols, HQ, L, scale)
-        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (a probe): the per-head products in fp16,
+        al_h = _in_pair_dtype(alphas, PAIR_DT)  # fp16 (half_pairs): the per-head products in fp16,
         be_h = _in_pair_dtype(betas, PAIR_DT)  # the sums over query heads and rows in fp32
         for kv in range(HKV):
             dk_rows = dk_part + (kv * LP + cols).to(tl.int64)[:, None] * (2 * NMP)  # this program's keys
