@@ -188,10 +188,20 @@ def load_packed_corpus(
         streaming=streaming,
     )  # fmt: skip
     sep = separator_for(tokenizer, separator_id)
+    if workers is None:
+        workers = default_workers() if named.is_hub_corpus(spec) else 1
     with _named_corpus(spec, role):
-        return _packed(
-            texts, source, spec, tokenizer, seq_len, sep, text_column, max_documents, cache_dir, workers
-        )
+        if cache_dir is None:
+            return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
+        options = {"text_column": text_column, "max_documents": max_documents, "separator": sep}
+        path = Path(cache_dir) / f"store-{_cache_key(source, tokenizer, options)}"
+        store = open_or_build(
+            path, lambda: parallel_token_documents(texts(), tokenizer, workers), separator_id=sep,
+            vocab_size=max(_vocab_size(tokenizer), sep + 1),
+            manifest={"source": source, "options": options, "tokenizer": _tokenizer_name(tokenizer)},
+            fingerprint=store_fingerprints(tokenizer), log=_log,
+        )  # fmt: skip
+        return PackedTokenDataset.from_store(store, seq_len)
 
 
 @contextlib.contextmanager
@@ -205,25 +215,6 @@ def _named_corpus(spec: str, role: str) -> Iterator[None]:
             raise
         what = "training" if role == "train" else "validation / evaluation"
         raise ValueError(f"{what} corpus {spec!r} has no non-empty documents ({err})") from err
-
-
-def _packed(texts, source, spec, tokenizer, seq_len, sep, text_column, max_documents, cache_dir, workers):
-    """``load_packed_corpus`` after the corpus is resolved: in memory, or through a token store."""
-    if cache_dir is None:
-        return PackedTokenDataset.from_texts(texts(), tokenizer, seq_len, sep)
-
-    if workers is None:
-        workers = default_workers() if named.is_hub_corpus(spec) else 1
-
-    options = {"text_column": text_column, "max_documents": max_documents, "separator": sep}
-    path = Path(cache_dir) / f"store-{_cache_key(source, tokenizer, options)}"
-    store = open_or_build(
-        path, lambda: parallel_token_documents(texts(), tokenizer, workers), separator_id=sep,
-        vocab_size=max(_vocab_size(tokenizer), sep + 1),
-        manifest={"source": source, "options": options, "tokenizer": _tokenizer_name(tokenizer)},
-        fingerprint=store_fingerprints(tokenizer), log=_log,
-    )  # fmt: skip
-    return PackedTokenDataset.from_store(store, seq_len)
 
 
 def _log(message: str) -> None:

@@ -34,16 +34,6 @@ PRETRAIN_SCRIPT = "launch/pretrain.py"
 SUMMARY = "summary.json"
 #: The pretraining command (script and flags) a run finished with, written by ``train_all``.
 COMMAND = "compare_command.json"
-
-
-def _finished_with(directory: Path) -> list[str] | None:
-    """The flags the run in ``directory`` finished with (None: not recorded, or unreadable)."""
-    try:
-        return json.loads((directory / COMMAND).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 EVAL = "eval.json"
 
 # Encoding name -> pretraining overrides. The mdlmpe-{binary,gaussian,basis} rows are paper Table 4's
@@ -99,6 +89,14 @@ def default_launcher() -> list[str]:
     if torch.cuda.is_available():
         return ["deepspeed"]
     return [sys.executable]
+
+
+def _finished_with(directory: Path) -> list[str] | None:
+    """The flags the run in ``directory`` finished with (None: not recorded, or unreadable)."""
+    try:
+        return json.loads((directory / COMMAND).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def train_all(
