@@ -55,10 +55,9 @@ from mdlmpe_ds.data.sft_rows import (
     conversation_pairs,
     iter_rows,
     load_sft_rows,
-    local_data_files,
+    local_files,
     row_messages,
 )
-from mdlmpe_ds.hub.resolve import split_dataset_name
 from mdlmpe_ds.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -235,34 +234,30 @@ def build_sft_dataset(
     kept_ids: list[np.ndarray] = []
     kept_prompt_lens: list[int] = []
     pending: list[tuple[str, str]] = []
-
     spellings = special_text.special_spellings(tokenizer)
 
+    def keep(p_ids: list[int], r_ids: list[int]) -> None:
+        """One tokenised (prompt, response): kept, truncated or dropped by ``max_len``."""
+        if len(p_ids) >= max_len:
+            stats.dropped += 1
+            return
+        if len(p_ids) + len(r_ids) > max_len:
+            if overlong == "drop":
+                stats.dropped += 1
+                return
+            r_ids = r_ids[: max_len - len(p_ids)]
+            stats.truncated += 1
+        kept_ids.append(np.asarray(p_ids + r_ids, dtype=np.int32))
+        kept_prompt_lens.append(len(p_ids))
+
     def flush() -> None:
-        """Tokenise the pending (prompt, response) texts in one batch (a row that quotes a special
-        token's spelling comes already as ids, ``special_text``), then keep them in order."""
+        """Tokenise the pending (prompt, response) texts in one batch and keep them in order."""
         if not pending:
             return
-        texts = [pair for pair in pending if isinstance(pair[0], str)]
-        prompts = iter(
-            tokenizer([p for p, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
-        )
-        responses = iter(
-            tokenizer([r for _, r in texts], add_special_tokens=False)["input_ids"] if texts else []
-        )
-        encoded = [(next(prompts), next(responses)) if isinstance(p, str) else (p, r) for p, r in pending]
-        for p_ids, r_ids in encoded:
-            if len(p_ids) >= max_len:
-                stats.dropped += 1
-                continue
-            if len(p_ids) + len(r_ids) > max_len:
-                if overlong == "drop":
-                    stats.dropped += 1
-                    continue
-                r_ids = r_ids[: max_len - len(p_ids)]
-                stats.truncated += 1
-            kept_ids.append(np.asarray(p_ids + r_ids, dtype=np.int32))
-            kept_prompt_lens.append(len(p_ids))
+        prompts = tokenizer([p for p, _ in pending], add_special_tokens=False)["input_ids"]
+        responses = tokenizer([r for _, r in pending], add_special_tokens=False)["input_ids"]
+        for p_ids, r_ids in zip(prompts, responses, strict=True):
+            keep(p_ids, r_ids)
         pending.clear()
 
     for index, (origin, origin_row, row) in enumerate(iter_rows(source, split)):
@@ -298,10 +293,10 @@ def build_sft_dataset(
                     "%s: row %d quotes special token spellings %s in its content: encoded as text",
                     origin, origin_row, sorted(set(quoted)),
                 )  # fmt: skip
-            rendered = [
-                (special_text.encode(tokenizer, p, quoted), special_text.encode(tokenizer, r, quoted))
-                for p, r in rendered
-            ]
+            flush()  # the rows before it first: the examples keep the rows' order
+            for p, r in rendered:
+                keep(special_text.encode(tokenizer, p, quoted), special_text.encode(tokenizer, r, quoted))
+            continue
         pending.extend(rendered)
         if len(pending) >= _TOKENIZE_CHUNK:
             flush()
@@ -333,18 +328,13 @@ def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], spl
 
     A local file is identified by resolved path and the SHA-256 of its bytes (content, not names: an
     edit in place that keeps the size and the mtime gives another key); a local dataset directory
-    likewise by each of its files of the split (``local_data_files``); a hub dataset by its name,
+    likewise by each of its files of the split (``sft_rows.local_files``); a hub dataset by its name,
     split and the ``datasets`` fingerprint of the split (derived from the revision resolved: a new
     upload gives another key).
     """
-    path = Path(str(source))
-    name, config = split_dataset_name(str(source))
-    if path.is_file():
-        ident: dict[str, Any] = {"path": str(path.resolve()), "sha256": file_sha256(path)}
-    elif Path(name).is_dir():  # its files of the split, each by content
-        files = local_data_files(name, split, config)
-        ident = {"dir": str(Path(name).resolve()), "config": config, "split": split}
-        ident["files"] = {str(f.resolve()): file_sha256(f) for f in files}
+    files = local_files(source, split)
+    if files is not None:  # a local file, or a local directory's files of the split: by content
+        ident: dict[str, Any] = {"split": split, "files": {str(f.resolve()): file_sha256(f) for f in files}}
     else:
         rows = load_sft_rows(source, split)
         ident = {

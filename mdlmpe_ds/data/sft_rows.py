@@ -214,6 +214,16 @@ def local_data_files(directory: str | Path, split: str, config: str | None = Non
     return paths
 
 
+def local_files(source: str | Path, split: str) -> list[Path] | None:
+    """The local files ``source`` names for ``split``: itself (a .json/.jsonl/.parquet file), or a
+    local directory's (``local_data_files``; "DIR:all" names config "all" of it); None for a hub
+    dataset."""
+    name, config = split_dataset_name(str(source))
+    if Path(name).is_dir():
+        return local_data_files(name, split, config)
+    return [Path(source)] if _local_format(str(source)) is not None else None
+
+
 def iter_rows(source: str | Path, split: str) -> Iterator[Located]:
     """Rows of ``source`` with their origin: local JSON files through ``_json_rows``, local parquet
     through ``datasets`` one file at a time, a local directory file by file (``local_data_files``),
@@ -222,16 +232,12 @@ def iter_rows(source: str | Path, split: str) -> Iterator[Located]:
     A local file of 0 bytes is an error naming it (``datasets`` gives "generator raised
     StopIteration" for it)."""
     source = str(source)
-    name, config = split_dataset_name(source)  # "DIR:all" names config "all" of a local directory
-    if Path(name).is_dir():
-        files = [str(p) for p in local_data_files(name, split, config)]
-    elif _local_format(source) is not None:
-        files = [source]
-    else:
+    files = local_files(source, split)
+    if files is None:
         for index, row in enumerate(load_sft_rows(source, split)):
             yield Located(source, index, row)
         return
-    for path in files:
+    for path in map(str, files):
         if os.path.getsize(path) == 0:
             raise SFTDataError(f"{path}: the file is empty (0 bytes)")
         if _local_format(path) == "json":
