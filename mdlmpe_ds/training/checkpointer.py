@@ -241,7 +241,8 @@ def finalize(staging: Path, final: Path) -> None:
 
 
 def write_universal(ckpt_dir: Path) -> Path:
-    """DeepSpeed's universal copy of checkpoint ``ckpt_dir`` (its ``ds/`` shards, verified first),
+    """DeepSpeed's universal copy of checkpoint ``ckpt_dir`` (its ``ds/`` shards; a step directory
+    ``checkpoint.resolve_checkpoint`` has verified, as launch/convert_checkpoint.py does first),
     for a resume on another world size; one process. Returns the copy, ``ckpt_dir/ds_universal``.
 
     Atomic like a save: engine.ds_to_universal writes into the scratch folder
@@ -249,7 +250,6 @@ def write_universal(ckpt_dir: Path) -> Path:
     fsync'd and sealed (manifest, COMPLETE) before it is renamed into place; an older copy is
     replaced only then. A killed conversion leaves no ``ds_universal``, and a resume verifies the
     copy against its manifest (checkpoint.universal_problems), so no partial copy is ever loaded."""
-    ckpt_dir = ckpt.resolve_checkpoint(ckpt_dir)
     final = ckpt_dir / ckpt.DS_UNIVERSAL_TAG
     scratch = ckpt_dir / ckpt.UNIVERSAL_SCRATCH
     if scratch.exists():

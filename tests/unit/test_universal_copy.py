@@ -157,3 +157,15 @@ def test_without_a_copy_the_resume_says_how_to_convert(tmp_path):
     assert ckpt.universal_problems(step) is None
     with pytest.raises(RuntimeError, match=r"(?s)Convert it once with\n  python launch/convert_checkpoint"):
         resume_on_one_rank(tmp_path)
+
+
+def test_the_command_refuses_a_damaged_checkpoint_before_converting(tmp_path, monkeypatch, capsys):
+    """The command verifies the checkpoint (write_universal converts what it is given): a truncated
+    shard is named, the exit status is 2, and nothing is converted or left behind."""
+    step = two_rank_checkpoint(tmp_path)
+    monkeypatch.setattr(eng, "ds_to_universal", fake_convert)
+    shard = step / "ds" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(b"x" * 10)
+    assert convert_command(step) == 2
+    assert shard.name in capsys.readouterr().err
+    assert not [p for p in step.iterdir() if "universal" in p.name]
