@@ -28,7 +28,6 @@ hub name (`name:config` or `--dataset_config`, `--dataset_split`).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shlex
 import sys
@@ -59,12 +58,7 @@ def main(argv: list[str] | None = None, faults=None) -> int:
     configure()
 
     chosen = recipes.get(args.recipe, "sft") if args.recipe else None
-    run = cli.configure(recipes.sft_config(args.recipe), args.config, overrides)
-    given = [*overrides, *(cli.load_config_file(args.config) if args.config else ())]
-    for key in cli.pretrain_only_keys(given):
-        logging.getLogger("mdlmpe_ds.launch").warning(
-            f"{key} is read by launch/pretrain.py only: SFT ignores it"
-        )
+    run = cli.configure(recipes.sft_config(args.recipe), args.config, overrides, launcher="sft")
     if chosen and os.environ.get("RANK", "0") == "0":
         print(recipes.describe(chosen, run), flush=True)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import types
 import typing
@@ -41,6 +42,8 @@ from mdlmpe_ds.config.run import KEY_ALIASES, SECTIONS, RunConfig
 from mdlmpe_ds.hub.resolve import folded_dataset
 from mdlmpe_ds.lora import spec as lora_spec
 from mdlmpe_ds.pe.config import MDLMPEConfig
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: mdlmpe_ds/config/cli.py -> repo root
 MDLMPE_DEST = "mdlmpe_key"  # where --model.mdlmpe.KEY lands (model.mdlmpe itself is the JSON object)
@@ -462,18 +465,24 @@ def from_mapping(data: dict[str, Any], source: str = "config", base: RunConfig |
     return apply(base or RunConfig(), typed_mapping(data, source), source)
 
 
-def configure(base: RunConfig, config_file: str | None, overrides: dict[str, Any]) -> RunConfig:
+def configure(
+    base: RunConfig, config_file: str | None, overrides: dict[str, Any], launcher: str | None = None
+) -> RunConfig:
     """``base`` (a launcher's complete config) <- config file <- command-line ``overrides`` (from
     ``parse``), validated; ``base`` itself is not changed. ``data.dataset_config`` is written into
     ``data.dataset`` as ``name:config``, the one form runs and checkpoints record. A
     ``train.epochs`` given (file or command line) without ``train.max_steps`` sets max_steps to
-    None, so that the epochs decide the run's length."""
+    None, so that the epochs decide the run's length. ``launcher`` "sft": each pretraining-only key
+    given is warned about (SFT accepts and ignores it)."""
     config = base
     from_file = load_config_file(config_file) if config_file is not None else {}
     if config_file is not None:
         config = apply(config, from_file, str(config_file))
     config = apply(config, overrides, "command line")
     given = {**from_file, **overrides}
+    if launcher == "sft":
+        for key in pretrain_only_keys(given):
+            log.warning(f"{key} is read by launch/pretrain.py only; SFT ignores it")
     if "train.epochs" in given and "train.max_steps" not in given and config.train.max_steps is not None:
         # train.max_steps has a default (40) and wins over epochs whenever it is set: an epochs
         # the user gave without max_steps would otherwise be ignored without a word.
