@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import re
@@ -149,7 +150,22 @@ def canonical_key(key: str, source: str) -> str:
         raise ValueError(
             f"{source}: key {key!r} is ambiguous, write one of {[f'{s}.{key}' for s in sections]}"
         )
-    raise ValueError(f"{source}: unknown key {key!r}; valid keys are {', '.join(valid_keys())}")
+    raise ValueError(
+        f"{source}: unknown key {key!r}{_unknown_hint(key)}; valid keys are {', '.join(valid_keys())}"
+    )
+
+
+def _unknown_hint(key: str) -> str:
+    """What an unknown key most likely meant: a run flag written in a config file (``resume``), a
+    key put in the wrong section (``train.lr`` -> ``optim.lr``), or a misspelling."""
+    bare = key.split(".")[-1]
+    if bare in RUN_FLAGS:
+        return f" (--{bare} is a run flag, not a config key: give it on the command line)"
+    sections = owners().get(bare, [])
+    if "." in key and sections:
+        return f" (did you mean {' or '.join(f'{s}.{bare}' for s in sections)}?)"
+    close = difflib.get_close_matches(key, [*valid_keys(), *owners()], n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class _Formatter(DefaultHelpFormatter):

@@ -42,6 +42,7 @@ from mdlmpe_ds.data.assets import ensure_assets
 from mdlmpe_ds.data.fingerprint import file_sha256, store_fingerprints
 from mdlmpe_ds.data.packing import SPLIT_MODES, PackedTokenDataset, separator_for, split_documents
 from mdlmpe_ds.data.parallel_tokenize import default_workers, parallel_token_documents
+from mdlmpe_ds.data.sft_rows import first_json_problem
 from mdlmpe_ds.data.token_store import open_or_build
 from mdlmpe_ds.hub.resolve import resolve_tokenizer, split_dataset_name
 
@@ -323,7 +324,13 @@ def _dataset_texts(path, config, split, data_files, column, max_documents) -> It
     """Rows of a ``datasets`` dataset (hub name or builder + files), one document each."""
     import datasets
 
-    ds = datasets.load_dataset(path, config, split=split, data_files=data_files)
+    try:
+        ds = datasets.load_dataset(path, config, split=split, data_files=data_files)
+    except Exception as err:  # datasets names neither the file nor the line it could not read
+        problem = first_json_problem(data_files) if path == "json" and data_files else None
+        if problem is None:
+            raise
+        raise ValueError(f"corpus {data_files}: {problem}; fix or remove that line") from err
     if column not in ds.column_names:
         raise KeyError(f"dataset {path!r} split {split!r} has no column {column!r} ({ds.column_names})")
     where = data_files or path

@@ -119,6 +119,19 @@ def _json_rows(path: str) -> Iterator[Any]:
             offset += len(raw)
 
 
+def first_json_problem(path: str | Path) -> str | None:
+    """The first reason a local .json / .jsonl file cannot be read as rows ("line 3 is not valid
+    JSON (column 1: ...)"), or None: for naming the line where ``datasets`` fails a whole file
+    with "An error occurred while generating the dataset" (pretraining corpora)."""
+    try:
+        for row in _json_rows(str(path)):
+            if isinstance(row, BadLine):
+                return f"{'a row' if row.line is None else f'line {row.line}'} {row.detail}"
+    except SFTDataError as err:
+        return str(err).removeprefix(f"{path}: ")
+    return None
+
+
 def _refuse_one_object(path: str, data: bytes) -> None:
     """A JSON Lines file whose first line is not JSON may be one pretty-printed object: say so
     (naming a key that holds the rows, if one does) instead of "row 0 is not valid JSON"."""

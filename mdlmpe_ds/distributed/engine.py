@@ -392,12 +392,36 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return out
 
 
+@contextlib.contextmanager
+def _chatter_on_stderr() -> Iterator[None]:
+    """DeepSpeed's reports (zero_to_fp32's print calls, its logger, whose handler writes to the
+    stdout of import time) go to stderr while this is open. Why: ``generate.py`` and
+    ``evaluate.py`` keep stdout for their answers and tables, so ``generate.py ... > out.txt``
+    must hold completions only, not "Processing zero checkpoint ..."."""
+    import logging
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # print(), and the import's own messages
+        from deepspeed.utils import logger  # imported here: the accelerator warning on stderr
+
+        moved = [
+            h for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is not sys.stderr
+        ]
+        before = [h.setStream(sys.stderr) for h in moved]
+        try:
+            yield
+        finally:
+            for handler, stream in zip(moved, before, strict=True):
+                handler.setStream(stream)
+
+
 def fp32_state_dict_from_checkpoint(step_dir: Path) -> dict[str, torch.Tensor]:
     """Consolidate a ZeRO-3 checkpoint's fp32 master weights in one process (no process group),
-    with DeepSpeed's zero_to_fp32 reader."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with DeepSpeed's zero_to_fp32 reader; its reports go to stderr (``_chatter_on_stderr``)."""
+    with _chatter_on_stderr():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="ds")
+        return get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="ds")
 
 
 def load_universal_instructions(

@@ -375,14 +375,28 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(words: list[str], cwd: Path, what: str, timeout: int = 600, env=None) -> str:
-    """Run ``words`` with no terminal input (a command that asks a question fails the check below)."""
+#: Lines of library chatter (DeepSpeed's zero_to_fp32 reader and logger) that must not reach the
+#: stdout of a tool whose stdout is its answer.
+CHATTER = ("Processing zero checkpoint", "Reconstructed", "[WARNING]", "[INFO]", "Setting accelerator")
+
+
+def _writes_answers(words: list[str]) -> bool:
+    """generate.py and evaluate.py keep stdout for completions and tables (logs go to stderr)."""
+    return any(w.endswith(("launch/generate.py", "launch/evaluate.py")) for w in words)
+
+
+def _run(words: list[str], cwd: Path, what: str, timeout: int = 600, env=None, clean_stdout=False) -> str:
+    """Run ``words`` with no terminal input (a command that asks a question fails the check below);
+    ``clean_stdout``: no library chatter on stdout (``CHATTER``)."""
     proc = subprocess.run(
         words, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout, input=""
     )
     assert proc.returncode == 0, (
         f"{what}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
+    if clean_stdout:
+        noise = [line for line in proc.stdout.splitlines() if any(c in line for c in CHATTER)]
+        assert not noise, f"{what}: library chatter on stdout (keep it for the answers):\n" + "\n".join(noise[:5])
     return proc.stdout + proc.stderr
 
 
@@ -542,7 +556,7 @@ def test_cpu_commands_run_as_written(workspace):
                 assert (root / path).exists(), (
                     f"{where}: {path} is not in the workspace ({shlex.join(words)})"
                 )
-            out = _run(words, root, where)
+            out = _run(words, root, where, clean_stdout=_writes_answers(words))
             if where in lm_evals:
                 assert list((root / "results").rglob("*.json")), f"{where}: no results written\n{out[-2000:]}"
 

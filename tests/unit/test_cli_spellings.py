@@ -64,7 +64,9 @@ def test_a_known_key_spelled_with_dashes_gets_its_spelling():
 
     with pytest.raises(ValueError, match=r"unknown flag --max-steps; write --max_steps"):
         build_config(None, ["--max-steps", "3"])
-    with pytest.raises(ValueError, match=r"unknown key 'max_stepz'; valid keys are"):
+    with pytest.raises(
+        ValueError, match=r"unknown key 'max_stepz' \(did you mean max_steps\?\); valid keys are"
+    ):
         build_config(None, ["--max_stepz", "3"])
 
 
@@ -97,3 +99,24 @@ def test_a_config_key_given_twice_is_refused(tmp_path, name, text, message):
     config.write_text(text)
     with pytest.raises(ValueError, match=message):
         build_config(str(config), [])
+
+
+@pytest.mark.parametrize(
+    "text, hint",
+    [
+        ("resume: auto\n", "--resume is a run flag, not a config key: give it on the command line"),
+        ("train:\n  lr: 0.001\n", "'train.lr' (did you mean optim.lr?)"),
+        ("optim:\n  weight_decai: 0.1\n", "(did you mean optim.weight_decay?)"),
+        ("max_step: 4\n", "(did you mean max_steps?)"),
+    ],
+)
+def test_an_unknown_config_key_says_what_it_most_likely_meant(tmp_path, text, hint):
+    """A run flag in a config file, a key in the wrong section, a misspelling: each is named with
+    the likely intent, not only the list of valid keys."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="unknown key") as err:
+        cli.load_config_file(path)
+    assert hint in str(err.value) and str(path) in str(err.value)
+    with pytest.raises(ValueError, match="unknown key 'lrr' \\(did you mean lr\\?\\)"):
+        cli.canonical_key("lrr", "command line")

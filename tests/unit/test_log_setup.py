@@ -68,3 +68,45 @@ def test_the_dry_run_plan_is_logged(tmp_path, capsys):
     build_engine(run_config, model_config, ds, total=3, n_examples=10, dry_run=True)
     out = capsys.readouterr().out
     assert "[rank 0] INFO mdlmpe_ds.runs.common: dry run" in out and "sequences per update" in out
+
+
+CONSOLIDATE = """
+import sys
+from pathlib import Path
+import deepspeed.utils.zero_to_fp32 as z2f
+from deepspeed.utils import logger
+print("MARK", flush=True)  # DeepSpeed's logger writes to the stdout it found at import
+
+
+def reader(path, tag):
+    print("Processing zero checkpoint", path)
+    logger.warning("chatter from the reader")
+    return {"w": tag}
+
+
+z2f.get_fp32_state_dict_from_zero_checkpoint = reader
+from mdlmpe_ds.distributed import engine
+
+state = engine.fp32_state_dict_from_checkpoint(Path("step_8"))
+logger.warning("outside again")
+print("ANSWER", state["w"], flush=True)
+"""
+
+
+def test_checkpoint_consolidation_keeps_stdout_for_the_answers():
+    """generate.py / evaluate.py read a run's checkpoint through DeepSpeed's zero_to_fp32 reader,
+    which print()s its progress and logs to the stdout of import time: while it reads, both go to
+    stderr, so `generate.py ... > out.txt` holds the completions only (and the logger is restored)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CONSOLIDATE],
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = proc.stdout.split("MARK\n", 1)[1]
+    assert "Processing zero checkpoint" not in after and "chatter" not in after, proc.stdout
+    assert "Processing zero checkpoint step_8" in proc.stderr and "chatter from the reader" in proc.stderr
+    assert after.splitlines()[-1] == "ANSWER ds" and "outside again" in after, after

@@ -139,6 +139,26 @@ def test_a_corpus_row_whose_text_is_not_a_string_is_named(tmp_path):
         list(texts())
 
 
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ('{"text": "a"}\n{"text": "b"}\nnot json\n{"text": "d"}\n', r"line 3 is not valid JSON \(column 1"),
+        ('{"text": "a"}\n{"text": "b\n', r"line 2 is not valid JSON"),
+        ('[{"text": "a"}, {"text": ]', r"not valid JSON \(line 1, column 26"),
+    ],
+)
+def test_a_corpus_line_that_is_not_json_is_named(tmp_path, text, where):
+    """datasets failed the whole .jsonl with "An error occurred while generating the dataset",
+    naming neither the file nor the line (the line was only in a pyarrow log)."""
+    from mdlmpe_ds.data.corpora import corpus_documents
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    texts, _ = corpus_documents(str(bad))
+    with pytest.raises(ValueError, match=rf"corpus .*bad\.jsonl: {where}"):
+        list(texts())
+
+
 def test_an_empty_validation_corpus_is_named(tmp_path, qwen):
     """A blank validation .txt failed with "token store .../store-50089c...: no non-empty documents",
     naming a cache path, not the corpus or its role."""
