@@ -1,0 +1,230 @@
+"""Design (b) as Triton can write it: the pair products on tensor cores, probed without a GPU.
+
+The cost model's design (b) (``designs.pair_bias_tc``) puts the rank-2 pair products
+C = q_m . k_m and S = q_m x k_m on tensor cores and estimates 1.87x at L = 2048, the only design
+the model puts under the cost issue's 2x target. It *assumes* its kernels' resources (8 warps, no
+spills, 2 barriers per iteration, 6 -> 2 FP32 operations per (head, i, j, pair)). The project
+builds no compiled extension (docs/method.md, "No compiled extension"), so Triton's block
+language is the only way to write it. This probe writes (b)'s forward core in that language and
+reads what the sm_90 compiler makes of it:
+
+- ``tc_pair_forward``: a program owns a (TILE_M, TILE_N) tile; alpha, beta of PAIRS pairs are
+  loaded once (standing in for the phase MLP, which is the same in every design) and kept through
+  the head loop, as (b) needs; per head, q and k are loaded once for all pairs, and per pair C and
+  S are tile products (``tl.dot``, bf16) with the other pairs' K slots masked out of q.
+- ``interpreter_error``: the kernel against ``reference`` in the Triton interpreter (a subprocess),
+  so the probe is checked to compute E before its machine code is read.
+- ``probe_rows``: compiled for sm_90 at PAIRS = 4, 8, 16 and 32 (|M| of LLaDA-8B): registers,
+  spill, and the head loop's instructions per (head, i, j, pair) per warp, beside the shipped
+  ``pair_forward``'s (``half_pairs.probe_loops``' figures, recorded in ``SHIPPED``);
+  ``chunked_estimate``: a whole forward pass in the chunk that fits (an ESTIMATE).
+
+What it shows (docs/gpu.md, "Design (b) in Triton"): alpha, beta of all 32 pairs do not fit in
+registers at an mma-sized tile; a chunk of 8 pairs does, and its head loop issues fewer
+instructions than the shipped fp16 kernel's, but the chunked pass saves only about 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[2]
+#: (pairs, tile_m, tile_n, warps) compiled by ``probe_rows``: mma-sized tiles (16 x 8 per warp).
+SETTINGS = ((4, 16, 32, 2), (8, 16, 32, 2), (16, 16, 32, 2), (32, 16, 32, 2))
+#: The shipped pair_forward's head loop at the launcher's sm_90 settings (16 x 8 tile, 8 warps, all
+#: 32 pairs), fp32 and fp16 pair arithmetic: instructions per head and warp (docs/gpu.md's table,
+#: tests/unit/test_half_pairs.py checks them against a fresh compile), elements per head and warp.
+SHIPPED = {"fp32": 176, "fp16": 117}
+SHIPPED_ELEMENTS = 16 * 8 // 8 * 32
+#: The shipped pair_forward's whole pass per warp (docs/gpu.md's rework table): the head loop run
+#: 32 times plus the phase MLP's front end (ratio, angle, MLP, alpha, beta) once per tile.
+SHIPPED_PASS = 7560
+HEADS = 32
+
+
+@triton.jit
+def tc_pair_forward(
+    alpha, beta, qp, kp, bias, L, HQ,
+    PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KQ: tl.constexpr, OP_DT: tl.constexpr,
+):  # fmt: skip
+    """bias[h, i, j] = sum_m alpha C + beta S over PAIRS pairs, for every head h of the (BM, BN)
+    tile. alpha, beta: [PAIRS, L, L] fp32 (kept as fp16 tiles through the head loop); qp, kp:
+    [HQ, L, 2 PAIRS] fp32 pair components (slot 2m + c: component c of pair m); bias [HQ, L, L].
+
+    Per head, q [BM, KQ], k and (J k) [KQ, BN] are loaded and converted once for all pairs (K
+    slots past 2 PAIRS are zero); per pair, the slots of the other pairs are masked out of q, and
+    C = q1 k1 + q2 k2 and S = q2 k1 - q1 k2 are two tile products: KQ MACs per (i, j) where 2
+    count (the smallest bf16 mma K is 16, the best case at 8 pairs)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, KQ)
+    used = kk < 2 * PAIRS
+    alphas = ()
+    betas = ()
+    for m in tl.static_range(PAIRS):
+        off = m * L * L + rows[:, None] * L + cols[None, :]
+        alphas = alphas + (tl.load(alpha + off).to(tl.float16),)  # noqa: RUF005
+        betas = betas + (tl.load(beta + off).to(tl.float16),)  # noqa: RUF005
+    for h in range(HQ):
+        q = tl.load(qp + (h * L + rows[:, None]) * (2 * PAIRS) + kk[None, :], mask=used[None, :], other=0.0)
+        k_at = kp + (h * L + cols[None, :]) * (2 * PAIRS)  # [1, BN]
+        k = tl.load(k_at + kk[:, None], mask=used[:, None], other=0.0)  # (k1, k2) per pair
+        k_j = tl.load(k_at + (kk[:, None] ^ 1), mask=used[:, None], other=0.0)  # (k2, k1)
+        k_j = tl.where(kk[:, None] % 2 == 0, -k_j, k_j)  # (-k2, k1)
+        q, k, k_j = q.to(OP_DT), k.to(OP_DT), k_j.to(OP_DT)
+        e = tl.zeros((BM, BN), tl.float32)
+        for m in tl.static_range(PAIRS):
+            q_m = q * (kk // 2 == m).to(OP_DT)[None, :]  # pair m's two slots only
+            c = tl.dot(q_m, k)
+            s = tl.dot(q_m, k_j)
+            e += alphas[m].to(tl.float32) * c + betas[m].to(tl.float32) * s
+        tl.store(bias + (h * L + rows[:, None]) * L + cols[None, :], e.to(bias.dtype.element_ty))
+
+
+def reference(alpha, beta, qp, kp):
+    """E [HQ, L, L] of ``tc_pair_forward``'s inputs in torch fp64: sum over pairs of alpha C +
+    beta S, C = q1 k1 + q2 k2, S = q2 k1 - q1 k2 (triton.kernels' convention)."""
+    import torch
+
+    a, b, q, k = (x.double() for x in (alpha, beta, qp, kp))
+    c = torch.einsum("hipc,hjpc->hijp", q, k)
+    s = torch.einsum("hip,hjp->hijp", q[..., 1], k[..., 0]) - torch.einsum(
+        "hip,hjp->hijp", q[..., 0], k[..., 1]
+    )
+    return (a.permute(1, 2, 0)[None] * c + b.permute(1, 2, 0)[None] * s).sum(-1)
+
+
+_CHECK = """
+import sys, torch
+sys.path.insert(0, {bench!r})
+from gpu_cost import tc_probe
+torch.manual_seed(0)
+heads, length, pairs, tile = 2, 32, 3, 16
+alpha = (torch.rand(pairs, length, length) - 0.5) * 0.06
+beta = (torch.rand(pairs, length, length) - 0.5) * 0.5
+qp, kp = torch.randn(heads, length, pairs, 2), torch.randn(heads, length, pairs, 2)
+flat = dict(qp=qp.reshape(heads, length, 2 * pairs), kp=kp.reshape(heads, length, 2 * pairs))
+bias = torch.full((heads, length, length), float("nan"))  # poisoned: every element must be written
+grid = (length // tile, length // tile)
+tc_probe.tc_pair_forward[grid](alpha, beta, flat["qp"], flat["kp"], bias, length, heads, PAIRS=pairs,
+                               BM=tile, BN=tile, KQ=16, OP_DT=tc_probe.tl.float32)
+want = tc_probe.reference(alpha, beta, qp, kp)
+print(float((bias.double() - want).abs().max() / want.abs().max()))
+"""
+
+
+def interpreter_error() -> float:
+    """Max relative error of ``tc_pair_forward`` (fp32 operands, interpreted) against
+    ``reference`` on a poisoned output, at 2 heads, L = 32, 3 pairs, 16 x 16 tiles."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    code = _CHECK.format(bench=str(REPO / "benchmarks"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"tc_probe interpreter check failed:\n{out.stderr[-3000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def compile_probe(pairs: int, tile_m: int, tile_n: int, warps: int) -> dict:
+    """``tc_pair_forward`` compiled for sm_90 (bf16 operands, pointers 16-byte aligned, integers
+    divisible by 16 as at LLaDA-8B's sizes): registers, spill bytes per thread, and its head loop
+    (``sass.body_summary``) with the instructions per (head, i, j, pair) of one warp."""
+    from triton.backends.compiler import GPUTarget
+
+    from gpu_cost import sass
+    from mdlmpe_ds.attention.triton import aot
+
+    signature = {n: "*fp32" for n in ("alpha", "beta", "qp", "kp")}
+    signature.update(bias="*bf16", L="i32", HQ="i32")
+    meta = dict(PAIRS=pairs, BM=tile_m, BN=tile_n, KQ=max(16, 2 * pairs), OP_DT=tl.bfloat16)
+    signature.update({k: "constexpr" for k in meta})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    source = triton.compiler.ASTSource(fn=tc_pair_forward, signature=signature, constexprs=meta, attrs=attrs)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1)
+    )
+    cubin = compiled.asm["cubin"]
+    usage = aot.resource_usage(cubin)
+    loops = sass.innermost_loops(sass.parse_sass(aot.sass(cubin)))
+    head_loop = sass.body_summary(max(loops, key=len))
+    elements = tile_m * tile_n // warps * pairs  # (i, j, pair) of one warp per head
+    return dict(
+        pairs=pairs,
+        k_slots=meta["KQ"],
+        tile=f"{tile_m} x {tile_n}",
+        warps=warps,
+        registers=usage["REG"],
+        spill_bytes=usage["STACK"],
+        head_loop=head_loop,
+        per_element=head_loop["instructions"] / elements,
+        barriers_per_pair=head_loop["barriers"] / pairs,
+    )
+
+
+def probe_rows(settings=SETTINGS) -> list[dict]:
+    return [compile_probe(*s) for s in settings]
+
+
+def chunked_estimate(rows: list[dict]) -> dict[str, float]:
+    """ESTIMATE, warp-instructions per (head, i, j, pair) of a whole forward pass: (b) in the
+    best-fitting chunk (no spill, fewest per element) with alpha, beta of all pairs computed once
+    per tile and written to a scratch that each (head, chunk) reads back (16-byte loads, assumed
+    to hit L1), against the shipped kernel's fp32 and fp16 builds. The front end is the shipped
+    one's (the same phase MLP), shared by the heads; time is assumed to scale with instructions."""
+    front = (SHIPPED_PASS - HEADS * SHIPPED["fp32"]) / (SHIPPED_ELEMENTS * HEADS)
+    fits = [r for r in rows if r["spill_bytes"] == 0]
+    best = min(fits, key=lambda r: r["per_element"])
+    per_thread = int(best["tile"].split(" x ")[0]) * int(best["tile"].split(" x ")[1]) // (best["warps"] * 32)
+    reload = (
+        per_thread * best["pairs"] * 2 * 2 / 16 / (per_thread * 32 * best["pairs"])
+    )  # LDG.128 per element
+    return {
+        "front end": front,
+        f"(b), chunks of {best['pairs']} pairs": best["per_element"] + reload + front,
+        "shipped, fp32": SHIPPED["fp32"] / SHIPPED_ELEMENTS + front,
+        "shipped, fp16": SHIPPED["fp16"] / SHIPPED_ELEMENTS + front,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """docs/gpu.md's table of ``probe_rows``, with the shipped pair_forward's figures below."""
+    lines = [
+        "| build (sm_90) | pairs held through the head loop (K slots) | registers | spill B per thread "
+        "| head loop per warp: instructions / barriers / shared / global loads / spill accesses "
+        "| instructions per (head, i, j, pair) and warp |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        h = r["head_loop"]
+        lines.append(
+            f"| (b) probe, {r['tile']}, {r['warps']} warps | {r['pairs']} ({r['k_slots']}) | "
+            f"{r['registers']} | {r['spill_bytes']:,} | {h['instructions']} / {h['barriers']} / "
+            f"{h['shared']} / {h['global_loads']} / {h['spill']} | {r['per_element']:.2f} |"
+        )
+    for name, count in SHIPPED.items():
+        lines.append(
+            f"| shipped pair_forward, {name} pair arithmetic, 16 x 8, 8 warps | 32 | | | {count} | "
+            f"{count / SHIPPED_ELEMENTS:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(f"interpreter check against the reference (relative error): {interpreter_error():.1e}")
+    rows = probe_rows()
+    print(table(rows))
+    print("ESTIMATE, a whole forward pass per (head, i, j, pair), warp-instructions:")
+    print({k: round(v, 3) for k, v in chunked_estimate(rows).items()})
+    print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.exit(main())
