@@ -5,23 +5,26 @@ C = q_m . k_m and S = q_m x k_m on tensor cores and estimates 1.87x at L = 2048,
 the model puts under the cost issue's 2x target. It *assumes* its kernels' resources (8 warps, no
 spills, 2 barriers per iteration, 6 -> 2 FP32 operations per (head, i, j, pair)). The project
 builds no compiled extension (docs/method.md, "No compiled extension"), so Triton's block
-language is the only way to write it. This probe writes (b)'s forward core in that language and
-reads what the sm_90 compiler makes of it:
+language is the only way to write it. This probe writes (b)'s forward and query-side cores in
+that language and reads what the sm_90 compiler makes of them:
 
 - ``tc_pair_forward``: a program owns a (TILE_M, TILE_N) tile; alpha, beta of PAIRS pairs are
   loaded once (standing in for the phase MLP, which is the same in every design) and kept through
   the head loop, as (b) needs; per head, q and k are loaded once for all pairs, and per pair C and
   S are tile products (``tl.dot``, bf16) with the other pairs' K slots masked out of q.
-- ``interpreter_error``: the kernel against ``reference`` in the Triton interpreter (a subprocess),
-  so the probe is checked to compute E before its machine code is read.
-- ``probe_rows``: compiled for sm_90 at PAIRS = 4, 8, 16 and 32 (|M| of LLaDA-8B): registers,
+- ``tc_pair_backward_q``: the same tile's query side: dq's sums over keys as tile products, and
+  the d delta sums over heads held through the head loop.
+- ``interpreter_errors``: both against fp64 references in the Triton interpreter (a subprocess),
+  so the probes are checked to compute the right thing before their machine code is read.
+- ``probe_rows``: compiled for sm_90 at several pair counts (|M| = 32 at LLaDA-8B): registers,
   spill, and the head loop's instructions per (head, i, j, pair) per warp, beside the shipped
-  ``pair_forward``'s (``half_pairs.probe_loops``' figures, recorded in ``SHIPPED``);
-  ``chunked_estimate``: a whole forward pass in the chunk that fits (an ESTIMATE).
+  kernels' (``half_pairs.probe_loops``' figures, recorded in ``SHIPPED``); ``chunked_estimate``:
+  a whole forward pass in the chunk that fits (an ESTIMATE).
 
 What it shows (docs/gpu.md, "Design (b) in Triton"): alpha, beta of all 32 pairs do not fit in
-registers at an mma-sized tile; a chunk of 8 pairs does, and its head loop issues fewer
-instructions than the shipped fp16 kernel's, but the chunked pass saves only about 10%.
+registers at an mma-sized tile; a forward chunk of 8 pairs does and saves about 10% of the fp16
+forward; the query side spills at every size tried and saves about a quarter of its head loop
+before the costs of chunking.
 """
 
 from __future__ import annotations
@@ -36,12 +39,22 @@ import triton
 import triton.language as tl
 
 REPO = Path(__file__).resolve().parents[2]
-#: (pairs, tile_m, tile_n, warps) compiled by ``probe_rows``: mma-sized tiles (16 x 8 per warp).
-SETTINGS = ((4, 16, 32, 2), (8, 16, 32, 2), (16, 16, 32, 2), (32, 16, 32, 2))
+#: (kernel, pairs, tile_m, tile_n, warps) compiled by ``probe_rows``: mma-sized tiles.
+SETTINGS = (
+    ("forward", 4, 16, 32, 2),
+    ("forward", 8, 16, 32, 2),
+    ("forward", 16, 16, 32, 2),
+    ("forward", 32, 16, 32, 2),
+    ("query side", 2, 16, 32, 2),
+    ("query side", 4, 16, 32, 2),
+    ("query side", 4, 16, 16, 1),
+)
 #: The shipped pair_forward's head loop at the launcher's sm_90 settings (16 x 8 tile, 8 warps, all
 #: 32 pairs), fp32 and fp16 pair arithmetic: instructions per head and warp (docs/gpu.md's table,
 #: tests/unit/test_half_pairs.py checks them against a fresh compile), elements per head and warp.
 SHIPPED = {"fp32": 176, "fp16": 117}
+#: The shipped pair_backward_q's head loop likewise (the same tile and warps, all 32 pairs).
+SHIPPED_QUERY_SIDE = {"fp32": 461, "fp16": 420}
 SHIPPED_ELEMENTS = 16 * 8 // 8 * 32
 #: The shipped pair_forward's whole pass per warp (docs/gpu.md's rework table): the head loop run
 #: 32 times plus the phase MLP's front end (ratio, angle, MLP, alpha, beta) once per tile.
@@ -88,6 +101,64 @@ def tc_pair_forward(
         tl.store(bias + (h * L + rows[:, None]) * L + cols[None, :], e.to(bias.dtype.element_ty))
 
 
+@triton.jit
+def tc_pair_backward_q(
+    alpha, beta, qp, kp, dbias, dq, ddelta, L, HQ,
+    PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KQ: tl.constexpr, OP_DT: tl.constexpr,
+):  # fmt: skip
+    """The query side of (b) for one (BM, BN) tile: per head, dq of the tile's rows (the sums over
+    keys as tile products: a = dE alpha and b = dE beta times the masked k and (-k2, k1) [BN, KQ],
+    added to ``dq`` [HQ, L, 2 PAIRS]) and, summed over the heads through the head loop, X = dE C
+    and Y = dE S per pair (C, S as in the forward), then d delta = -beta X + (1 + alpha) Y into
+    ``ddelta`` [PAIRS, L, L]. dE = dbias [HQ, L, L] fp32. The shipped pair_backward_q does the same
+    per (head, i, j, pair) on CUDA cores, its sums over keys by warp shuffles."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, KQ)
+    used = kk < 2 * PAIRS
+    alphas = ()
+    betas = ()
+    xs = ()
+    ys = ()
+    for m in tl.static_range(PAIRS):
+        off = m * L * L + rows[:, None] * L + cols[None, :]
+        alphas = alphas + (tl.load(alpha + off).to(tl.float16),)  # noqa: RUF005
+        betas = betas + (tl.load(beta + off).to(tl.float16),)  # noqa: RUF005
+        xs = xs + (tl.zeros((BM, BN), tl.float32),)  # noqa: RUF005
+        ys = ys + (tl.zeros((BM, BN), tl.float32),)  # noqa: RUF005
+    for h in range(HQ):
+        ds = tl.load(dbias + (h * L + rows[:, None]) * L + cols[None, :])
+        q = tl.load(qp + (h * L + rows[:, None]) * (2 * PAIRS) + kk[None, :], mask=used[None, :], other=0.0)
+        k_at = kp + (h * L + cols[None, :]) * (2 * PAIRS)  # [1, BN]: k as the forward's [KQ, BN]
+        k = tl.load(k_at + kk[:, None], mask=used[:, None], other=0.0)
+        k_j = tl.load(k_at + (kk[:, None] ^ 1), mask=used[:, None], other=0.0)
+        k_j = tl.where(kk[:, None] % 2 == 0, -k_j, k_j)  # (-k2, k1)
+        kr_at = kp + (h * L + cols[:, None]) * (2 * PAIRS)  # [BN, 1]: k as dq's [BN, KQ]
+        kr = tl.load(kr_at + kk[None, :], mask=used[None, :], other=0.0)
+        kr_j = tl.load(kr_at + (kk[None, :] ^ 1), mask=used[None, :], other=0.0)
+        kr_j = tl.where(kk[None, :] % 2 == 0, -kr_j, kr_j)
+        q, k, k_j, kr, kr_j = q.to(OP_DT), k.to(OP_DT), k_j.to(OP_DT), kr.to(OP_DT), kr_j.to(OP_DT)
+        dq_tile = tl.zeros((BM, KQ), tl.float32)
+        new_x = ()
+        new_y = ()
+        for m in tl.static_range(PAIRS):
+            sel = (kk // 2 == m).to(OP_DT)
+            q_m = q * sel[None, :]
+            new_x = new_x + (xs[m] + ds * tl.dot(q_m, k),)  # noqa: RUF005
+            new_y = new_y + (ys[m] + ds * tl.dot(q_m, k_j),)  # noqa: RUF005
+            a = (ds * alphas[m].to(tl.float32)).to(OP_DT)
+            b = (ds * betas[m].to(tl.float32)).to(OP_DT)
+            # dq1 = sum_j a k1 - b k2, dq2 = sum_j a k2 + b k1 (pair m's two slots)
+            dq_tile += tl.dot(a, kr * sel[None, :]) + tl.dot(b, kr_j * sel[None, :])
+        xs = new_x
+        ys = new_y
+        dq_at = dq + (h * L + rows[:, None]) * (2 * PAIRS) + kk[None, :]
+        tl.atomic_add(dq_at, dq_tile, mask=used[None, :], sem="relaxed")
+    for m in tl.static_range(PAIRS):
+        d = -betas[m].to(tl.float32) * xs[m] + (1.0 + alphas[m].to(tl.float32)) * ys[m]
+        tl.store(ddelta + m * L * L + rows[:, None] * L + cols[None, :], d)
+
+
 def reference(alpha, beta, qp, kp):
     """E [HQ, L, L] of ``tc_pair_forward``'s inputs in torch fp64: sum over pairs of alpha C +
     beta S, C = q1 k1 + q2 k2, S = q2 k1 - q1 k2 (triton.kernels' convention)."""
@@ -99,6 +170,26 @@ def reference(alpha, beta, qp, kp):
         "hip,hjp->hijp", q[..., 0], k[..., 1]
     )
     return (a.permute(1, 2, 0)[None] * c + b.permute(1, 2, 0)[None] * s).sum(-1)
+
+
+def reference_backward_q(alpha, beta, qp, kp, dbias):
+    """(dq [HQ, L, PAIRS, 2], d delta [PAIRS, L, L]) of ``tc_pair_backward_q``'s inputs in fp64:
+    dE/dq1 = alpha k1 - beta k2, dE/dq2 = alpha k2 + beta k1 summed over keys with dE = dbias;
+    d delta = sum over heads of dE (-beta C + (1 + alpha) S) (pair_bias' formulas)."""
+    import torch
+
+    a, b = alpha.double().permute(1, 2, 0), beta.double().permute(1, 2, 0)  # [L, L, PAIRS]
+    q, k, ds = qp.double(), kp.double(), dbias.double()
+
+    def keys(w, comp):
+        return torch.einsum("hij,ijp,hjp->hip", ds, w, k[..., comp])
+
+    dq = torch.stack([keys(a, 0) - keys(b, 1), keys(a, 1) + keys(b, 0)], -1)
+    c = torch.einsum("hipc,hjpc->hijp", q, k)
+    s = torch.einsum("hip,hjp->hijp", q[..., 1], k[..., 0]) - torch.einsum(
+        "hip,hjp->hijp", q[..., 0], k[..., 1]
+    )
+    return dq, (ds[..., None] * (-b * c + (1 + a) * s)).sum(0).permute(2, 0, 1)
 
 
 _CHECK = """
@@ -116,36 +207,63 @@ grid = (length // tile, length // tile)
 tc_probe.tc_pair_forward[grid](alpha, beta, flat["qp"], flat["kp"], bias, length, heads, PAIRS=pairs,
                                BM=tile, BN=tile, KQ=16, OP_DT=tc_probe.tl.float32)
 want = tc_probe.reference(alpha, beta, qp, kp)
-print(float((bias.double() - want).abs().max() / want.abs().max()))
+errors = [float((bias.double() - want).abs().max() / want.abs().max())]
+dbias = torch.randn(heads, length, length)
+dq = torch.zeros(heads, length, 2 * pairs)
+ddelta = torch.full((pairs, length, length), float("nan"))  # poisoned
+tc_probe.tc_pair_backward_q[grid](alpha, beta, flat["qp"], flat["kp"], dbias, dq, ddelta, length, heads,
+                                  PAIRS=pairs, BM=tile, BN=tile, KQ=16, OP_DT=tc_probe.tl.float32)
+want_dq, want_dd = tc_probe.reference_backward_q(alpha, beta, qp, kp, dbias)
+for got, want in ((dq.reshape(want_dq.shape), want_dq), (ddelta, want_dd)):
+    errors.append(float((got.double() - want).abs().max() / want.abs().max()))
+print(" ".join(map(str, errors)))
 """
 
 
-def interpreter_error() -> float:
-    """Max relative error of ``tc_pair_forward`` (fp32 operands, interpreted) against
-    ``reference`` on a poisoned output, at 2 heads, L = 32, 3 pairs, 16 x 16 tiles."""
+def interpreter_errors() -> dict[str, float]:
+    """Max relative errors of the probe kernels (fp32 operands, interpreted) against ``reference``
+    and ``reference_backward_q`` on poisoned outputs, at 2 heads, L = 32, 3 pairs, 16 x 16 tiles:
+    the forward's bias, the query side's dq and d delta."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     code = _CHECK.format(bench=str(REPO / "benchmarks"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"tc_probe interpreter check failed:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    values = [float(x) for x in out.stdout.strip().splitlines()[-1].split()]
+    return dict(zip(("forward bias", "query side dq", "query side d delta"), values, strict=True))
 
 
-def compile_probe(pairs: int, tile_m: int, tile_n: int, warps: int) -> dict:
-    """``tc_pair_forward`` compiled for sm_90 (bf16 operands, pointers 16-byte aligned, integers
-    divisible by 16 as at LLaDA-8B's sizes): registers, spill bytes per thread, and its head loop
-    (``sass.body_summary``) with the instructions per (head, i, j, pair) of one warp."""
+#: The probe kernels: (function, its pointer arguments (bf16 where named), shipped instructions
+#: per head and warp of the same job, fp32 / fp16, from docs/gpu.md's half-pairs table).
+KERNELS = {
+    "forward": (
+        tc_pair_forward,
+        {"alpha": "fp32", "beta": "fp32", "qp": "fp32", "kp": "fp32", "bias": "bf16"},
+    ),
+    "query side": (
+        tc_pair_backward_q,
+        {n: "fp32" for n in ("alpha", "beta", "qp", "kp", "dbias", "dq", "ddelta")},
+    ),
+}
+
+
+def compile_probe(kernel: str, pairs: int, tile_m: int, tile_n: int, warps: int) -> dict:
+    """Probe ``kernel`` ("forward", "query side") compiled for sm_90 (bf16 operands, pointers
+    16-byte aligned, integers divisible by 16 as at LLaDA-8B's sizes): registers, spill bytes per
+    thread, and its head loop (``sass.body_summary``) with the instructions per (head, i, j, pair)
+    of one warp."""
     from triton.backends.compiler import GPUTarget
 
     from gpu_cost import sass
     from mdlmpe_ds.attention.triton import aot
 
-    signature = {n: "*fp32" for n in ("alpha", "beta", "qp", "kp")}
-    signature.update(bias="*bf16", L="i32", HQ="i32")
+    fn, pointers = KERNELS[kernel]
+    signature = {n: f"*{t}" for n, t in pointers.items()}
+    signature.update(L="i32", HQ="i32")
     meta = dict(PAIRS=pairs, BM=tile_m, BN=tile_n, KQ=max(16, 2 * pairs), OP_DT=tl.bfloat16)
     signature.update({k: "constexpr" for k in meta})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
-    source = triton.compiler.ASTSource(fn=tc_pair_forward, signature=signature, constexprs=meta, attrs=attrs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 2)}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1)
     )
@@ -155,6 +273,7 @@ def compile_probe(pairs: int, tile_m: int, tile_n: int, warps: int) -> dict:
     head_loop = sass.body_summary(max(loops, key=len))
     elements = tile_m * tile_n // warps * pairs  # (i, j, pair) of one warp per head
     return dict(
+        kernel=kernel,
         pairs=pairs,
         k_slots=meta["KQ"],
         tile=f"{tile_m} x {tile_n}",
@@ -178,7 +297,7 @@ def chunked_estimate(rows: list[dict]) -> dict[str, float]:
     to hit L1), against the shipped kernel's fp32 and fp16 builds. The front end is the shipped
     one's (the same phase MLP), shared by the heads; time is assumed to scale with instructions."""
     front = (SHIPPED_PASS - HEADS * SHIPPED["fp32"]) / (SHIPPED_ELEMENTS * HEADS)
-    fits = [r for r in rows if r["spill_bytes"] == 0]
+    fits = [r for r in rows if r["kernel"] == "forward" and r["spill_bytes"] == 0]
     best = min(fits, key=lambda r: r["per_element"])
     per_thread = int(best["tile"].split(" x ")[0]) * int(best["tile"].split(" x ")[1]) // (best["warps"] * 32)
     reload = (
@@ -203,20 +322,21 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         h = r["head_loop"]
         lines.append(
-            f"| (b) probe, {r['tile']}, {r['warps']} warps | {r['pairs']} ({r['k_slots']}) | "
+            f"| (b) {r['kernel']}, {r['tile']}, {r['warps']} warps | {r['pairs']} ({r['k_slots']}) | "
             f"{r['registers']} | {r['spill_bytes']:,} | {h['instructions']} / {h['barriers']} / "
             f"{h['shared']} / {h['global_loads']} / {h['spill']} | {r['per_element']:.2f} |"
         )
-    for name, count in SHIPPED.items():
-        lines.append(
-            f"| shipped pair_forward, {name} pair arithmetic, 16 x 8, 8 warps | 32 | | | {count} | "
-            f"{count / SHIPPED_ELEMENTS:.2f} |"
-        )
+    for kernel, shipped in (("pair_forward", SHIPPED), ("pair_backward_q", SHIPPED_QUERY_SIDE)):
+        for name, count in shipped.items():
+            lines.append(
+                f"| shipped {kernel}, {name} pair arithmetic, 16 x 8, 8 warps | 32 | | | {count} | "
+                f"{count / SHIPPED_ELEMENTS:.2f} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
-    print(f"interpreter check against the reference (relative error): {interpreter_error():.1e}")
+    print("interpreter check against the references (relative errors):", interpreter_errors())
     rows = probe_rows()
     print(table(rows))
     print("ESTIMATE, a whole forward pass per (head, i, j, pair), warp-instructions:")
