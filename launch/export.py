@@ -51,7 +51,7 @@ def export(
 ) -> Path:
     from mdlmpe_ds.hub.export import finish_export
     from mdlmpe_ds.hub.export import push_to_hub as upload
-    from mdlmpe_ds.hub.export_target import check_target, staged
+    from mdlmpe_ds.hub.export_target import check_target, staged, write_marker
     from mdlmpe_ds.lora import adapters as lora
     from mdlmpe_ds.lora import export as lora_export
     from mdlmpe_ds.models.config import ModelConfig
@@ -66,7 +66,8 @@ def export(
     saved = ckpt.read_saved_run(step_dir)
     inputs = (saved.run_config["model"].get("model_name_or_path"), saved.run_config["data"].get("tokenizer"))
     # never into a checkpoint, over a run or over its inputs (hub/export_target.py)
-    target = check_target(out, step_dir, inputs)
+    kind = "adapter" if adapter_only else "base" if base_only else "merged"
+    target = check_target(out, step_dir, inputs, kind)
     config = ModelConfig.from_dict(saved.model_config, stored=True)
     state = checkpoint_state(step_dir)
     spec = lora.spec_of(saved.run_config)
@@ -78,6 +79,7 @@ def export(
         if adapter_only:
             with staged(target) as stage:
                 _export_adapter(step_dir, saved, stage, target, adapters, mdlmpe, spec, DTYPES[dtype])
+                write_marker(stage, kind, step_dir, saved.step)
             if push_to_hub:
                 print(f"uploaded {target} -> {upload(target, push_to_hub)}")
             return target
@@ -91,6 +93,7 @@ def export(
     with staged(target) as stage:
         files = save_pretrained(converted, stage, config, max_shard_bytes=int(max_shard_gb * 1024**3))
         done = finish_export(stage, config.family, _tokenizer_dir(saved.tokenizer))
+        write_marker(stage, kind, step_dir, saved.step)
     print(
         f"exported {step_dir} (update {saved.step}) -> {target}: {len(files)} files, "
         f"{sum(t.numel() for t in converted.values()):,} parameters ({dtype}); "

@@ -14,7 +14,12 @@ The target is refused, by name, when the swap would destroy something that is no
 - a training run's output_dir itself, or a directory that holds the checkpoint being exported;
 - the run's own model or tokenizer directory, or one inside or around it (a LoRA run's frozen base
   lives there only);
-- an existing directory holding files an export never writes (they would be deleted).
+- an existing directory holding files an export never writes (they would be deleted);
+- an existing export of another kind (merged model, ``--base-only`` base, ``--adapter-only``
+  adapter): an adapter written over the base export it loads onto, or a merged model over the
+  adapter, would delete the other silently, and once ``keep_last`` has rotated the checkpoint the
+  export may be the only copy. Each export records its kind in ``EXPORT_MARKER``; an earlier
+  export without one is told apart by its files (an adapter, or a model).
 A new folder inside a run's output_dir (``outputs/run/export``) is fine: nothing of the run lives there.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -45,8 +51,14 @@ EXPORT_PATTERNS = (
     "adapter_model.safetensors",
     "mdlmpe.safetensors",
     "README.md",
+    "mdlmpe_export.json",
     *TOKENIZER_FILES,
 )
+#: What an export is and where it came from ({"kind": ..., "checkpoint": ..., "step": ...}).
+EXPORT_MARKER = "mdlmpe_export.json"
+#: Export kinds: the merged (or full fine-tune) model, a LoRA run's base with its trained MDLMPE
+#: weights, and the peft adapter directory.
+EXPORT_KINDS = {"merged": "--merge (the default)", "base": "--base-only", "adapter": "--adapter-only"}
 _STEP_NAME = re.compile(r"^step_\d{6,}")
 _STAGING_INFIX = ".exporting-"
 _ASIDE_INFIX = ".replaced-"
@@ -65,10 +77,51 @@ def _is_run_dir(path: Path) -> bool:
     return (path / "checkpoints").is_dir()
 
 
-def check_target(out: str | Path, checkpoint: str | Path, inputs: Sequence[str | None] = ()) -> Path:
+def existing_kind(out: Path) -> str | None:
+    """The kind of the export in ``out`` (``EXPORT_KINDS``): its marker's, else "adapter" or "model"
+    (merged or base: an export written before markers) from its files; None if it holds none."""
+    marker = out / EXPORT_MARKER
+    if marker.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            kind = json.loads(marker.read_text()).get("kind")
+            if kind in EXPORT_KINDS:
+                return kind
+    if (out / "adapter_config.json").is_file():
+        return "adapter"
+    return "model" if (out / "config.json").is_file() else None
+
+
+def write_marker(stage: Path, kind: str, checkpoint: str | Path, step: int) -> None:
+    """Record the export's kind and source in ``stage`` (``EXPORT_MARKER``)."""
+    record = {"kind": kind, "checkpoint": str(Path(checkpoint).resolve()), "step": step}
+    (stage / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _check_kind(out: Path, kind: str) -> None:
+    """Refuse to replace an export of another kind (module doc)."""
+    there = existing_kind(out)
+    if there is None or there == kind or (there == "model" and kind != "adapter"):
+        return
+    names = {
+        "merged": "a merged model",
+        "base": "a --base-only base",
+        "adapter": "a peft adapter",
+        "model": "a model",
+    }
+    raise ExportTargetError(
+        f"export target {out} holds {names[there]} export; writing {names[kind]} ({EXPORT_KINDS[kind]}) "
+        "there would delete it. Export each kind into its own directory (e.g. RUN/export, RUN/adapter, "
+        "RUN/base), or remove the earlier export first if it is no longer needed"
+    )
+
+
+def check_target(
+    out: str | Path, checkpoint: str | Path, inputs: Sequence[str | None] = (), kind: str | None = None
+) -> Path:
     """``out`` resolved, after the refusals of the module doc; ``checkpoint`` is the step directory
     being exported, ``inputs`` the run's own input directories (its model and tokenizer: a LoRA
-    run's base, which its checkpoints do not hold; hub ids and None are skipped)."""
+    run's base, which its checkpoints do not hold; hub ids and None are skipped), ``kind`` the
+    export's (``EXPORT_KINDS``; None: not checked)."""
     out, checkpoint = Path(out).resolve(), Path(checkpoint).resolve()
     advice = "choose a new directory outside the checkpoints, e.g. <output_dir>/export"
     for source in (Path(s).resolve() for s in inputs if s and Path(s).is_dir()):
@@ -107,6 +160,8 @@ def check_target(out: str | Path, checkpoint: str | Path, inputs: Sequence[str |
                 f"export target {out} holds files an export does not write ({shown}); replacing it would "
                 "delete them: choose a new or empty directory, or move them away"
             )
+        if kind is not None:
+            _check_kind(out, kind)
     return out
 
 

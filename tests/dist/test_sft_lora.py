@@ -155,6 +155,16 @@ def test_merged_export_and_adapter_export_give_the_engines_logits(lora_straight,
     with torch.no_grad():
         out = wrapped.eval()(probe["input_ids"], attention_mask=probe["valid"].long(), aligned=True)
     torch.testing.assert_close(out.logits.float(), probe["logits"], rtol=1e-5, atol=1e-5)
+    # each export records its kind; one kind is never written over another (it would delete it)
+    from mdlmpe_ds.hub.export_target import EXPORT_MARKER, ExportTargetError
+
+    kinds = {d.name: json.loads((d / EXPORT_MARKER).read_text())["kind"] for d in (merged, adapter, base)}
+    assert kinds == {"merged": "merged", "adapter": "adapter", "base": "base"}
+    before = sorted(p.name for p in base.iterdir())
+    for target, flags in ((base, {"adapter_only": True}), (adapter, {}), (merged, {"base_only": True})):
+        with pytest.raises(ExportTargetError, match="export; writing"):
+            export.export(latest, target, **flags)
+    assert sorted(p.name for p in base.iterdir()) == before
     # mdlmpe.safetensors: the same MDLMPE weights under our names, for our own DiffusionLM
     plain = DiffusionLM(model.config)
     shapes = {n: p.shape for n, p in plain.named_parameters()}

@@ -5,6 +5,7 @@ real ZeRO-3 checkpoint: tests/dist/test_sft_resume.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -183,3 +184,42 @@ def test_an_export_over_the_runs_own_base_is_refused(tmp_path):
         with pytest.raises(ExportTargetError, match=rf"{word} the run's input directory {base.resolve()}"):
             check_target(target, step, inputs)
     assert check_target(run / "export", step, inputs) == (run / "export").resolve()
+
+
+def test_an_export_of_another_kind_is_not_replaced(tmp_path):
+    """An --adapter-only export over the merged export (or over the --base-only base it loads onto)
+    deleted it silently; each kind now records itself, and an unmarked earlier export is told apart
+    by its files."""
+    from mdlmpe_ds.hub.export_target import EXPORT_MARKER, existing_kind, write_marker
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    merged, adapter, legacy = run / "export", run / "adapter", run / "old"
+    for folder, kind in ((merged, "merged"), (adapter, "adapter")):
+        folder.mkdir()
+        write_marker(folder, kind, step, 4)
+    legacy.mkdir()
+    (legacy / "adapter_config.json").write_text("{}")
+    assert (existing_kind(merged), existing_kind(adapter), existing_kind(legacy)) == (
+        "merged",
+        "adapter",
+        "adapter",
+    )
+    assert json.loads((merged / EXPORT_MARKER).read_text())["step"] == 4
+    with pytest.raises(
+        ExportTargetError, match=r"holds a merged model export; writing a peft adapter \(--adapter-only\)"
+    ):
+        check_target(merged, step, kind="adapter")
+    with pytest.raises(ExportTargetError, match="holds a peft adapter export; writing a --base-only base"):
+        check_target(legacy, step, kind="base")
+    with pytest.raises(ExportTargetError, match="holds a merged model export"):
+        check_target(merged, step, kind="base")
+    assert check_target(merged, step, kind="merged") == merged.resolve()  # a re-export of the same kind
+    assert check_target(run / "new", step, kind="adapter") == (run / "new").resolve()
+    unmarked = run / "older"
+    unmarked.mkdir()
+    (unmarked / "config.json").write_text("{}")  # a model export from before markers: merged or base
+    assert check_target(unmarked, step, kind="base") == unmarked.resolve()
+    with pytest.raises(ExportTargetError, match="holds a model export"):
+        check_target(unmarked, step, kind="adapter")
