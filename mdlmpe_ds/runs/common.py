@@ -68,6 +68,8 @@ def model_config_for(run: RunConfig, tokenizer):
     mdlmpe = run.mdlmpe_config().validate()
     if m.model_name_or_path is not None:
         base = read_hf_config(m.model_name_or_path)
+        if base.max_seq_len != run.data.max_len and process_group.rank() == 0:
+            log.warning(max_len_note(m.model_name_or_path, base.max_seq_len, run.data.max_len))
         # L_ref of MDLMPE is the run's max length, and the model config must agree with it.
         return dataclasses.replace(
             base, max_seq_len=run.data.max_len, mdlmpe=mdlmpe, position_encoding=m.position_encoding
@@ -108,6 +110,21 @@ def model_config_for(run: RunConfig, tokenizer):
         max_seq_len=max(run.data.max_len, 8),
         mdlmpe=mdlmpe,
         position_encoding=m.position_encoding,
+    )
+
+
+def max_len_note(source: str, base_len: int, run_len: int) -> str:
+    """Why the fine-tuned model's max length is the run's, not the base's: a fine-tune of LLaDA-8B
+    (4096) at --max_len 2048 exports max_sequence_length 2048, and generate/evaluate then refuse
+    longer inputs; past the base's length, RoPE runs beyond what the base was trained on."""
+    common = (
+        f"the fine-tuned model's max length is --max_len {run_len}, not {source}'s {base_len}: it is "
+        "MDLMPE's window reference L_ref (docs/method.md 'Window') and the export's max length"
+    )
+    if run_len > base_len:
+        return f"{common}; {run_len} is past the {base_len} positions the base was trained on"
+    return (
+        f"{common}, so generate/evaluate will refuse longer inputs (train at --max_len {base_len} to keep it)"
     )
 
 

@@ -280,7 +280,7 @@ def test_checkpoint_from_another_model(fixture_data, tmp_path):
         run_sft(run, str(REPO / "ds_configs" / "zero3.json"), resume="auto", dry_run=True)
 
 
-def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
+def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path, caplog):
     """A real LLaDA/Dream directory (max length 4096 / 131072) fine-tuned at data.max_len: the model
     config and MDLMPE's L_ref must both follow the run, or validation rejects every real checkpoint."""
     import dataclasses
@@ -298,9 +298,22 @@ def test_pretrained_directory_takes_the_runs_max_len_and_encoding(tmp_path):
     run = build_config(
         None, ["--model_name_or_path", str(tmp_path), "--max_len", "64", "--position_encoding", "mdlmpe"]
     )
-    cfg = model_config_for(run, tokenizer=None)
+    with caplog.at_level("WARNING", logger="mdlmpe_ds.runs.common"):
+        cfg = model_config_for(run, tokenizer=None)
     assert cfg.max_seq_len == 64 and cfg.mdlmpe.max_seq_len == 64
     assert cfg.position_encoding == "mdlmpe" and cfg.family == "llada"
+    # said at start: the export's max length is the run's (a probe found it only in config.json)
+    assert "max length is --max_len 64, not" in caplog.text and "refuse longer inputs" in caplog.text
+    caplog.clear()
+    longer = build_config(None, ["--model_name_or_path", str(tmp_path), "--max_len", "8192"])
+    with caplog.at_level("WARNING", logger="mdlmpe_ds.runs.common"):
+        model_config_for(longer, tokenizer=None)
+    assert "8192 is past the 4096 positions the base was trained on" in caplog.text
+    caplog.clear()
+    same = build_config(None, ["--model_name_or_path", str(tmp_path), "--max_len", "4096"])
+    with caplog.at_level("WARNING", logger="mdlmpe_ds.runs.common"):
+        model_config_for(same, tokenizer=None)
+    assert not caplog.text
 
 
 def test_resume_may_change_how_steps_are_computed_not_the_model(tmp_path):
