@@ -9,7 +9,9 @@ hf_config.py.
 
 Loading is strict: every problem (missing shard file, missing or unexpected key, wrong shape,
 config of the other family) is found before any weight is copied and reported with its name.
-MDLMPE parameters absent from a checkpoint are initialised as in docs/method.md "Initialisation". Weights are
+A checkpoint without any MDLMPE parameters (a RoPE base) gets them initialised as in docs/method.md
+"Initialisation"; one missing only some of them (a damaged export) is refused, as is an integer
+tensor for a float weight (it would be cast silently). Weights are
 read one tensor at a time from memory-mapped files; ``gathered`` (e.g. ``deepspeed.zero.GatheredParameters``,
 passed in by the engine) gathers one partitioned parameter at a time, so under ZeRO-3 no rank ever
 holds the whole model.
@@ -41,6 +43,10 @@ GatherFactory = Callable[..., contextlib.AbstractContextManager]
 
 
 # ----------------------------------------------------------------------------------- weights
+#: safetensors dtype names a weight may be stored in (it is cast to the model's dtype on load).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
 @contextlib.contextmanager
 def _open_safetensors(file: Path) -> Iterator[Any]:
     """``safe_open`` whose read errors name the file. A truncated or corrupt shard (an interrupted
@@ -104,6 +110,13 @@ def check_checkpoint(model: DiffusionLM, path: str | os.PathLike) -> tuple[dict[
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {missing}")
+    all_mdlmpe = sum(_is_mdlmpe_name(name) for name, _ in expected.values())
+    if 0 < len(absent_mdlmpe) < all_mdlmpe:  # a RoPE base lacks all of them; a damaged export only some
+        problems.append(
+            f"missing MDLMPE keys ({len(absent_mdlmpe)}) while the others are there: {absent_mdlmpe} "
+            "(only a checkpoint without any MDLMPE weights, a RoPE base, starts them from their "
+            "initial values)"
+        )
     if unexpected:
         hint = ""
         if all(from_checkpoint_name(key, family) is None for key in unexpected):
@@ -118,10 +131,14 @@ def check_checkpoint(model: DiffusionLM, path: str | os.PathLike) -> tuple[dict[
     for file, keys in by_file.items():
         with _open_safetensors(file) as fh:
             for key in keys:
-                got = tuple(fh.get_slice(key).get_shape())
+                stored = fh.get_slice(key)
+                got = tuple(stored.get_shape())
                 want = _shape(expected[key][1])
                 if got != want:
                     problems.append(f"wrong shape for {key} in {file.name}: checkpoint {got}, model {want}")
+                if stored.get_dtype() not in FLOAT_DTYPES:  # an integer tensor would be cast silently
+                    kind = stored.get_dtype()
+                    problems.append(f"{key} in {file.name} is stored as {kind}, not a float type")
     if problems:
         raise CheckpointError(
             f"{path}: checkpoint does not match the {family} model:\n  " + "\n  ".join(problems)

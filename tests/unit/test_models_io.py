@@ -319,3 +319,24 @@ def test_older_export_with_attention_keys_still_loads(tmp_path):
         torch.testing.assert_close(reloaded(IDS, VALID), model(IDS, VALID), atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"'compile' is not a model key any more.*attention\.compile"):
         load_pretrained(tmp_path, mdlmpe={"compile": True})  # a new override is refused, not dropped
+
+
+def test_some_mdlmpe_keys_missing_or_an_integer_tensor_is_refused(tmp_path):
+    """An MDLMPE export with some of its MDLMPE weights deleted loaded silently, those reset to their
+    initial values (transformers reports them MISSING); an int8 tensor for a float weight was cast.
+    A RoPE checkpoint (no MDLMPE weights at all) still starts them from their initial values."""
+    model = _tiny("llada", "mdlmpe")
+    save_pretrained(model, tmp_path, model.config, max_shard_bytes=1 << 30)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    dropped = sorted(k for k in tensors if "mdlmpe" in k or "phase" in k)[:2]
+    assert dropped
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, file)
+    with pytest.raises(CheckpointError, match=r"missing MDLMPE keys \(2\) while the others are there"):
+        load_pretrained(tmp_path, impl=AttentionImpl(backend="reference"))
+    name = next(k for k in tensors if k.endswith("o_proj.weight") or k.endswith("attn_out.weight"))
+    save_file({**tensors, name: tensors[name].to(torch.int8)}, file)
+    with pytest.raises(
+        CheckpointError, match=rf"{name} in model.safetensors is stored as I8, not a float type"
+    ):
+        load_pretrained(tmp_path, impl=AttentionImpl(backend="reference"))
