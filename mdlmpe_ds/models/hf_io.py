@@ -130,7 +130,14 @@ def check_checkpoint(model: DiffusionLM, path: str | os.PathLike) -> tuple[dict[
             by_file.setdefault(files[key], []).append(key)
     for file, keys in by_file.items():
         with _open_safetensors(file) as fh:
-            for key in keys:
+            held = set(fh.keys())
+            stale = [key for key in keys if key not in held]
+            if stale:  # the index points at a file without them: its weight_map is stale, not the file
+                problems.append(
+                    f"{INDEX_NAME} maps {len(stale)} keys to {file.name}, which does not hold them "
+                    f"(the index is stale or from another export): {stale[:5]}"
+                )
+            for key in (k for k in keys if k in held):
                 stored = fh.get_slice(key)
                 got = tuple(stored.get_shape())
                 want = _shape(expected[key][1])

@@ -340,3 +340,19 @@ def test_some_mdlmpe_keys_missing_or_an_integer_tensor_is_refused(tmp_path):
         CheckpointError, match=rf"{name} in model.safetensors is stored as I8, not a float type"
     ):
         load_pretrained(tmp_path, impl=AttentionImpl(backend="reference"))
+
+
+def test_a_stale_index_is_named_not_the_shard(tmp_path):
+    """An index mapping a tensor to a shard that does not hold it blamed the shard ("cannot read this
+    safetensors file ... probably truncated or corrupt"); the shard is fine, the index is stale."""
+    _saved(tmp_path)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, v in index["weight_map"].items() if v == shards[0])
+    index["weight_map"][key] = shards[1]
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=rf"maps 1 keys to {shards[1]}, which does not hold them"
+    ) as err:
+        load_pretrained(tmp_path)
+    assert "truncated" not in str(err.value) and key in str(err.value)
