@@ -145,7 +145,7 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     elif path.is_dir() and not STEP_DIR.match(path.name):
         newest = newest_verified(path.parent if path.name == "checkpoints" else path, log)
         if newest is None:
-            raise FileNotFoundError(f"{path}: no complete checkpoint found")
+            raise FileNotFoundError(f"{path}: no complete checkpoint found{_what_it_holds(path)}")
         return newest
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
@@ -155,6 +155,20 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     if problems:
         raise ValueError(f"{path}: checkpoint is damaged: " + "; ".join(problems))
     return path
+
+
+def _what_it_holds(path: Path) -> str:
+    """For "no complete checkpoint found": what ``path`` is instead, when it is something a user
+    passes by mistake (a peft adapter export, a run stopped with a weights-only save)."""
+    if (path / "adapter_config.json").is_file():
+        return (
+            " (it is a peft adapter export, launch/export.py --adapter-only: load it onto the run's "
+            "--base-only export with peft, or pass the LoRA run's directory or a merged export)"
+        )
+    saves = sorted((path / "weights").glob("step_*/WEIGHTS.json")) if path.is_dir() else []
+    if saves:
+        return f" (a weights-only save of a stopped run is at {saves[-1].parent}: pass that directory)"
+    return ""
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path, log=print) -> Path | None:

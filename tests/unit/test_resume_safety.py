@@ -365,3 +365,25 @@ def test_a_stop_request_abandons_a_pretraining_validation():
         assert said[-1] == "update 10: validation abandoned (received SIGTERM)"
     finally:
         stop_request.reset()
+
+
+def test_no_checkpoint_names_what_the_directory_is_instead(tmp_path):
+    """A peft adapter export or a run stopped with a weights-only save, passed to generate, evaluate
+    or export, got only "no complete checkpoint found"."""
+    from mdlmpe_ds.training.checkpoint import resolve_checkpoint
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(
+        FileNotFoundError, match=r"no complete checkpoint found \(it is a peft adapter export"
+    ):
+        resolve_checkpoint(adapter)
+    run = tmp_path / "run"
+    (run / "weights" / "step_000005").mkdir(parents=True)
+    (run / "weights" / "step_000005" / "WEIGHTS.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"weights-only save of a stopped run is at .*step_000005"):
+        resolve_checkpoint(run)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint found$"):
+        resolve_checkpoint(tmp_path / "empty")
