@@ -39,7 +39,7 @@ def write_checkpoint_meta(
 
 def check_checkpoint(step_dir: Path, spec: LoraSpec | None, names: list[str]) -> None:
     """Before DeepSpeed loads ``step_dir`` (non-strict for LoRA: the frozen base is not in it): the
-    checkpoint must be of the same kind (LoRA or full), the same spec, and hold exactly the adapter
+    checkpoint must be of the same kind (LoRA or full), the same r and targets, and hold exactly the adapter
     and MDLMPE parameters this model trains; else a clear error naming what differs."""
     file = step_dir / CHECKPOINT_FILE
     if spec is None:
@@ -60,7 +60,9 @@ def check_checkpoint(step_dir: Path, spec: LoraSpec | None, names: list[str]) ->
         saved_names = list(saved["trainable"])
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{file}: unreadable LoRA checkpoint metadata ({err!r})") from err
-    if saved_spec != spec:
+    # r and targets decide the adapter tensors; alpha and dropout do not (a change of those is refused
+    # or forced by training/resume_changes.py, before this)
+    if (saved_spec.r, saved_spec.targets) != (spec.r, spec.targets):
         raise ValueError(
             f"{file}: checkpoint trained --lora {saved_spec.text()}, this run has --lora {spec.text()}"
         )

@@ -74,7 +74,11 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
     "model.mdlmpe.phase_mlp": (CHECKED, _MODEL),
     "model.gradient_checkpointing": (RUNTIME, "backward recomputes the same forward: same numbers"),
     "model.recompute_mdlmpe_attention": (RUNTIME, "backward recomputes the same forward: same numbers"),
-    "model.lora": (REFUSED, "a LoRA and a full fine-tune checkpoint hold different parameters"),
+    "model.lora": (
+        REFUSED,
+        "a LoRA and a full fine-tune checkpoint hold different parameters, as do two LoRA runs of "
+        "another r or targets (never forced); another alpha or dropout may be forced",
+    ),
     "data.dataset": (CHECKED, _DATA + "; a moved file resumes"),
     "data.dataset_config": (CHECKED, _DATA),
     "data.split": (CHECKED, _DATA),
@@ -239,10 +243,10 @@ def check_resume_config(
     that ``allowed`` does not force. ``resolved``: what RESOLVED_KEYS resolved to at save (the
     checkpoint's record) and now (this run's ds config)."""
     found = changes(saved, now, resolved)
-    refused = [c for c in found if c.kind == REFUSED and (c.key not in allowed or c.key in NEVER_FORCED)]
+    refused = [c for c in found if c.kind == REFUSED and (c.key not in allowed or _never_forced(c))]
     if refused:
         lines = "\n  ".join(f"{c.key}: {c.values()} ({_why(c)})" for c in refused)
-        forceable = [c.key for c in refused if c.key not in NEVER_FORCED]
+        forceable = [c.key for c in refused if not _never_forced(c)]
         force = f", or pass --allow_config_change {','.join(forceable)} to continue with the new ones"
         raise ValueError(
             f"checkpoint {checkpoint} was trained with other settings that a resume may not change "
@@ -257,7 +261,43 @@ def check_resume_config(
     ]
 
 
+#: LoRA settings that leave the adapters' shapes alone (the checkpoint still loads): a resume may be
+#: forced across them. r and targets decide which adapter tensors exist and their shapes.
+LORA_SCALE_KEYS = ("alpha", "dropout")
+
+
+def _lora_differences(change: Change) -> dict[str, tuple[Any, Any]]:
+    """{LoRA setting: (before, after)} of a change of model.lora between two LoRA runs."""
+    from mdlmpe_ds.lora import spec as lora_spec
+
+    was, now = lora_spec.parse(change.before).to_dict(), lora_spec.parse(change.after).to_dict()
+    return {k: (was[k], now[k]) for k in was if was[k] != now[k]}
+
+
+def _never_forced(change: Change) -> bool:
+    """A refused change that --allow_config_change cannot force: NEVER_FORCED keys, except a LoRA
+    run's alpha or dropout (the adapters load; the change is the user's to make)."""
+    if change.key not in NEVER_FORCED:
+        return False
+    if change.key == "model.lora" and change.before is not None and change.after is not None:
+        return not set(_lora_differences(change)) <= set(LORA_SCALE_KEYS)
+    return True
+
+
 def _why(change: Change) -> str:
+    if change.key == "model.lora" and change.before is not None and change.after is not None:
+        diff = _lora_differences(change)
+        shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+        if not _never_forced(change):
+            return (
+                f"the LoRA settings differ: {shown}; alpha scales the adapters' output and dropout "
+                "regularises their input, so the run would continue under another objective"
+            )
+        return (
+            f"the LoRA settings differ: {shown}; r and targets decide which adapter tensors exist and "
+            "their shapes, so the checkpoint's adapters cannot load; cannot be forced: resume with "
+            f"--lora {change.before}, or export it and start a new LoRA run from the export"
+        )
     if change.key == "model.lora" and change.before is None:
         return (
             "it is a full fine-tune checkpoint, which cannot continue as a LoRA run: resume it without "

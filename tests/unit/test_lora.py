@@ -264,6 +264,10 @@ def test_checkpoint_key_check(tmp_path):
     names = lora_checkpoints.trainable_names(model)
     lora_checkpoints.write_checkpoint_meta(tmp_path, spec, names)
     lora_checkpoints.check_checkpoint(tmp_path, spec, names)  # same: passes
+    # alpha and dropout leave the adapters' shapes alone (a forced resume may change them)
+    lora_checkpoints.check_checkpoint(
+        tmp_path, lora_spec.parse("r=4,alpha=64,dropout=0.2,targets=q,v"), names
+    )
     with pytest.raises(ValueError, match=r"checkpoint trained --lora r=4.*this run has --lora r=8"):
         lora_checkpoints.check_checkpoint(tmp_path, lora_spec.parse("r=8,targets=q,v"), names)
     with pytest.raises(ValueError, match=r"missing.*layers.0.attn.k_proj.lora_A"):

@@ -120,6 +120,27 @@ def test_a_full_checkpoint_resumed_with_lora_says_what_it_is(tmp_path):
         rc.check_resume_config(now, saved, set(), tmp_path)
 
 
+def test_a_lora_resume_names_the_setting_that_differs(tmp_path):
+    """r 4 -> 8 or dropout 0.05 -> 0.1 both said "a LoRA and a full fine-tune checkpoint hold
+    different parameters; cannot be forced", though both runs are LoRA. r and targets decide the
+    adapters' shapes (never forced); alpha and dropout do not, so --allow_config_change forces them."""
+    saved = build_config(None, ["--lora", "r=4,alpha=8,dropout=0.05,targets=q,v"]).to_dict()
+    rank = build_config(None, ["--lora", "r=8,alpha=8,dropout=0.05,targets=q,v"]).to_dict()
+    with pytest.raises(ValueError) as err:
+        rc.check_resume_config(saved, rank, {"model.lora"}, tmp_path)
+    text = str(err.value)
+    assert "the LoRA settings differ: r 4 -> 8" in text and "cannot be forced" in text
+    assert "full fine-tune" not in text and "--allow_config_change" not in text
+    drop = build_config(None, ["--lora", "r=4,alpha=8,dropout=0.1,targets=q,v"]).to_dict()
+    with pytest.raises(ValueError) as err:
+        rc.check_resume_config(saved, drop, set(), tmp_path)
+    text = str(err.value)
+    assert "dropout 0.05 -> 0.1" in text and "--allow_config_change model.lora" in text
+    assert "cannot be forced" not in text
+    lines = rc.check_resume_config(saved, drop, {"model.lora"}, tmp_path)
+    assert lines and "forced by --allow_config_change" in lines[0]
+
+
 class _Engine:
     """The two attributes apply_optim_settings uses, as DeepSpeed exposes them."""
 
