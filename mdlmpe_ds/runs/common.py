@@ -441,7 +441,19 @@ def dry_run_plan(run: RunConfig, ds_config_path: str, resume: str | None = None)
     resume_from = prepare_resume(resume, run, model_config, ds_config, dry_run=True)
     total = run.train.max_steps
     _, built = build_engine(local, model_config, ds_config, total, None, True, resume_from, as_written=run)
+    if run.model.model_name_or_path is None and run.model.vocab_size is None and process_group.rank() == 0:
+        log.warning(PRESET_VOCABULARY_NOTE.format(vocab=model_config.vocab_size, preset=run.model.preset))
     return built
+
+
+#: A dry run of a preset reads no tokenizer, so it plans with the preset's own vocabulary; the real
+#: run sizes the embeddings from its tokenizer (the SFT demo's Qwen2.5: 151,680 rows, 19.5 M
+#: parameters against the preset's 0.17 M), so its parameters and memory are larger than planned.
+PRESET_VOCABULARY_NOTE = (
+    "dry run: the plan uses the {preset} preset's own vocabulary ({vocab:,} tokens); the real run sizes "
+    "the embeddings from its tokenizer, so its parameter count and memory can be much larger "
+    "(pass --vocab_size to plan with the tokenizer's size)"
+)
 
 
 def check_resume_data(resume_from: Path | None, fingerprint: str, run: RunConfig) -> None:

@@ -196,6 +196,20 @@ def test_dry_run_plan(fixture_data, tmp_path, capsys):
     assert "sequences per update" in capsys.readouterr().out
 
 
+def test_a_preset_dry_run_says_its_vocabulary_is_the_presets(fixture_data, tmp_path, caplog):
+    """sft.py --dry-run planned the demo with the preset's 512 tokens (0.17 M parameters) while the
+    real run built the tokenizer's 151,680 (19.5 M), and did not say so."""
+    tok, chat = fixture_data
+    args = ["--tokenizer", str(tok), "--dataset", str(chat), "--max_len", "48", "--max_steps", "5"]
+    with caplog.at_level("WARNING", logger="mdlmpe_ds.runs.common"):
+        _dry(args, tmp_path)
+    assert "the plan uses the llada-tiny preset's own vocabulary" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mdlmpe_ds.runs.common"):
+        _dry([*args, "--vocab_size", "1024"], tmp_path / "sized")
+    assert "own vocabulary" not in caplog.text
+
+
 def test_pad_to_multiple_of_reaches_the_collator_and_compile_warns_without_it(
     fixture_data, tmp_path, capsys, monkeypatch
 ):
