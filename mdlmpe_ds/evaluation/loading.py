@@ -70,8 +70,11 @@ def load_tokenizer(path: str | Path) -> Any:
     """A Hugging Face tokenizer from a local directory or a hub id (read from the hub cache)."""
     from transformers import AutoTokenizer
 
+    from mdlmpe_ds.models.hf_config import tokenizer_load_options
+
+    local = _local(path, "tokenizer")
     return AutoTokenizer.from_pretrained(
-        str(_local(path, "tokenizer")), local_files_only=True, trust_remote_code=False
+        str(local), local_files_only=True, trust_remote_code=False, **tokenizer_load_options(local)
     )
 
 

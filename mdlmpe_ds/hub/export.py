@@ -44,7 +44,11 @@ def finish_export(out: str | Path, family: str, tokenizer_dir: str | Path | None
                 copied.append(name)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+        from mdlmpe_ds.models.hf_config import tokenizer_load_options
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(tokenizer_dir), trust_remote_code=False, **tokenizer_load_options(tokenizer_dir)
+        )
         try:
             template, jinja = training_chat_template(family, tokenizer)
         except ValueError as err:  # a pretraining tokenizer may have no chat template at all

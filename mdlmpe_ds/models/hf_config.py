@@ -226,3 +226,21 @@ __all__ = [
     "read_hf_config",
     "read_json",
 ]
+
+
+def tokenizer_load_options(directory: str | os.PathLike) -> dict[str, Any]:
+    """Extra ``AutoTokenizer.from_pretrained`` arguments for ``directory``: a plain config when its
+    config.json names a model type transformers does not know (LLaDA, our exports). Without it,
+    transformers (trust_remote_code off) falls back to a blank config and prints "You are using a
+    model of type `llada` to instantiate a model of type ``" on every load; the tokenizer class
+    comes from tokenizer_config.json either way."""
+    file = Path(directory) / CONFIG_NAME
+    if not file.is_file():
+        return {}
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (ValueError, OSError, AttributeError):
+        return {}
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    return {} if model_type in CONFIG_MAPPING else {"config": PretrainedConfig()}

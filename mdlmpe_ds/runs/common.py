@@ -24,7 +24,7 @@ from mdlmpe_ds.distributed import collectives, process_group
 from mdlmpe_ds.distributed import engine as eng
 from mdlmpe_ds.hub.resolve import local_run
 from mdlmpe_ds.lora import attach as lora_attach
-from mdlmpe_ds.models.hf_config import read_hf_config
+from mdlmpe_ds.models.hf_config import read_hf_config, tokenizer_load_options
 from mdlmpe_ds.models.hf_io import load_weights_into
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
@@ -54,7 +54,7 @@ def load_tokenizer_dir(directory: str | Path):
             "a hub id, or add the tokenizer files to this directory (e.g. hf download ORG/NAME "
             f"--include 'tokenizer*' --local-dir {path})"
         )
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **tokenizer_load_options(path))
 
 
 def model_config_for(run: RunConfig, tokenizer):

@@ -313,3 +313,5 @@ def test_loading_an_exports_tokenizer_asks_nothing_and_reads_no_stdin(tmp_path, 
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "custom code" not in proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("left on stdin: first prompt")
+    # nor transformers' "You are using a model of type `llada` to instantiate a model of type ``"
+    assert "to instantiate a model of type" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
