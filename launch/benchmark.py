@@ -93,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         allow_code=args.allow_code_execution,
         chat_template=args.chat_template,
     )
+    session.check_overrides(opts.overrides)  # before a hub id is downloaded
     names = args.names or session.default_names(args.models)
     describe = describe_model if args.dry_run else resolve_hub  # a real run downloads hub ids first
     models = [describe(p, names[i], args.family) for i, p in enumerate(args.models)]

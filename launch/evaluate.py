@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,6 +163,39 @@ def check_length(seq_len: int | None, model, path: str) -> None:
         )
 
 
+def recorded_tokenizer(path: str) -> str | None:
+    """The tokenizer directory a model records, read without loading its weights: an export is its
+    own, a training run names it in its checkpoint's metadata. None where that cannot be told here
+    (a hub id, a damaged run: ``load_model`` reports those)."""
+    from mdlmpe_ds.evaluation.loading import is_hf_dir
+    from mdlmpe_ds.training.checkpoint import read_saved_run, resolve_checkpoint
+
+    if is_hf_dir(path):
+        return str(path)
+    if not Path(path).exists():
+        return None
+    try:
+        return read_saved_run(resolve_checkpoint(path, log=lambda _message: None)).tokenizer
+    except (OSError, ValueError):
+        return None
+
+
+def check_same_tokenizer(models: list[tuple[str, Any]]) -> None:
+    """Refuse to pair models whose tokenizers differ: each model's windows are cut from its own
+    token stream, so window i holds different text for each, and the paired difference (printed
+    with a small standard error) would compare different text."""
+    base_name, base = models[0]
+    for name, tokenizer in models[1:]:
+        if tokenizer.get_vocab() != base.get_vocab():
+            raise SystemExit(
+                f"--corruption pairs every model with the first one ({base_name}) on the same windows, but "
+                f"{name}'s tokenizer ({len(tokenizer):,} tokens) is not {base_name}'s ({len(base):,} "
+                "tokens): their windows would hold different text, so a paired difference would mean "
+                "nothing. Pair only models that share a tokenizer (run evaluate.py once per tokenizer), "
+                "or leave out --corruption to score each model on its own"
+            )
+
+
 def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
     """Paired scoring by corruption layout (module doc); writes <out>.md and <out>.json."""
     import json
@@ -176,15 +210,18 @@ def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
         summarise,
     )
 
+    names = [args.names[i] if args.names else Path(path).resolve().name for i, path in enumerate(args.models)]
+    recorded = [recorded_tokenizer(path) for path in args.models]
+    if len(recorded) > 1 and all(recorded):  # before minutes of loading weights
+        check_same_tokenizer([(name, load_tokenizer(d)) for name, d in zip(names, recorded)])
     models = []
-    for i, path in enumerate(args.models):
+    for name, path in zip(names, args.models):
         model, tok_dir = load_model(path, device=device, dtype=args.dtype)
         if tok_dir is None:
             raise SystemExit(f"{path}: no tokenizer recorded with this model")
         check_length(args.seq_len, model, path)
-        models.append(
-            (args.names[i] if args.names else Path(path).resolve().name, model, load_tokenizer(tok_dir))
-        )
+        models.append((name, model, load_tokenizer(tok_dir)))
+    check_same_tokenizer([(name, tokenizer) for name, _, tokenizer in models])  # hub ids: known only now
     settings = LayoutEvalSettings(
         seq_len=args.seq_len or models[0][1].config.max_seq_len,
         windows=args.max_sequences,

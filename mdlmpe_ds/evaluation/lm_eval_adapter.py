@@ -23,6 +23,12 @@ it to the model, so ``device=`` inside ``--model_args`` would be given twice.
   window <= ``max_length``); the sum of the windows' conditional ELBOs, each given its window's
   context (the BOS/EOS prefix for the first).
 
+Prompts longer than ``max_length`` (with the continuation, or with ``gen_length``) lose their oldest
+tokens after the BOS/prefix, as lm-eval's own models do; each call that cut any logs one warning
+(how many requests, by how much), and the counts are in ``truncated`` and in lm-eval's results
+(``config.truncated_requests``). The model_args are checked when the adapter is built, before the
+model loads; a ``gen_length`` that ``block_length`` does not divide is refused there.
+
 Requests are seeded from (``seed``, request text), and a row's generation does not depend on its
 batch, so results do not depend on ``batch_size``, request order or the number of processes.
 
@@ -35,6 +41,7 @@ Data parallel: under ``torchrun`` (WORLD_SIZE > 1) every process loads the model
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from collections.abc import Sequence
@@ -46,23 +53,129 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mdlmpe_ds.data.chat_templates import template_for
+from mdlmpe_ds.diffusion.blocks import check_block_context
 from mdlmpe_ds.diffusion.sampling import SamplerConfig, generate, trim_at_eos
+from mdlmpe_ds.diffusion.sampling_rules import canonical_algorithm
 from mdlmpe_ds.distributed import collectives
 from mdlmpe_ds.evaluation.likelihood import blockwise_elbo, conditional_elbo, greedy_matches
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 from mdlmpe_ds.seeding import mix_seed
+
+logger = logging.getLogger(__name__)
 
 
 def _seed_for(seed: int, *texts: str) -> int:
     return mix_seed(seed, *(zlib.crc32(t.encode("utf-8")) for t in texts))
 
 
-def _bool(value: Any) -> bool:
+def _bool(value: Any, key: str = "value", label: str = "model_args") -> bool:
     if isinstance(value, str):
         if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected a boolean, got {value!r}")
+            raise ValueError(f"{label} {key}={value!r}: expected true or false")
         return value.lower() in ("true", "1")
     return bool(value)
+
+
+#: Integer model_args: the least value each takes, and what it counts (for the message).
+_COUNTS = {
+    "batch_size": (1, "requests per forward pass"),
+    "mc_num": (1, "Monte-Carlo rows per loglikelihood request"),
+    "mc_batch_size": (1, "Monte-Carlo rows per forward pass"),
+    "max_length": (2, "tokens of context + continuation"),
+    "gen_length": (1, "tokens generated per request"),
+    "steps": (1, "denoising steps per request"),
+    "block_length": (1, "tokens per generated block"),
+    "likelihood_block": (1, "tokens per scored block"),
+    "top_k": (1, "candidate tokens per position"),
+}
+#: Float model_args that must be >= 0.
+_NON_NEGATIVE = ("temperature", "alg_temp", "cfg_scale")
+
+
+def _count(key: str, value: Any, label: str) -> int:
+    """A whole number >= its least value, or a ValueError naming ``key`` (``int('abc')``'s own error
+    names no key, and a 0 used to surface only at the first request, under another name)."""
+    low, what = _COUNTS[key]
+    try:
+        number = int(value)
+        whole = not isinstance(value, float) or value.is_integer()
+    except (TypeError, ValueError):
+        whole = False
+    if not whole or isinstance(value, bool):
+        raise ValueError(f"{label} {key}={value!r}: expected a whole number >= {low} ({what})")
+    if number < low:
+        raise ValueError(f"{label} {key}={number}: must be >= {low} ({what})")
+    return number
+
+
+def _real(key: str, value: Any, label: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} {key}={value!r}: expected a number") from None
+
+
+def check_model_args(values: dict[str, Any], label: str = "model_args") -> dict[str, Any]:
+    """The adapter's scoring and decoding arguments parsed and checked, before any model loads:
+    each message names the key at fault (``label`` names where it was given: lm-eval's
+    ``model_args``, the benchmark's ``--set``). Keys absent or None are left to their defaults.
+
+    A ``gen_length`` that ``block_length`` does not divide is refused, as ``launch/generate.py``
+    refuses it: the sampler decodes whole blocks, so it would decode more tokens than asked.
+    """
+    out = parse_model_args(values, label)
+    _check_blocks(out, label)
+    return out
+
+
+def parse_model_args(values: dict[str, Any], label: str = "model_args") -> dict[str, Any]:
+    """Each value parsed and checked on its own (types and ranges), without the rules between keys:
+    for values that are only part of the settings (the benchmark's ``--set`` before the suite's
+    row is merged in)."""
+    out = dict(values)
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in _COUNTS:
+            out[key] = _count(key, value, label)
+        elif key in _NON_NEGATIVE or key == "top_p":
+            out[key] = _real(key, value, label)
+            if key == "top_p" and not 0.0 < out[key] <= 1.0:
+                raise ValueError(f"{label} top_p={out[key]}: must be in (0, 1] (nucleus sampling's mass)")
+            if key != "top_p" and out[key] < 0:
+                raise ValueError(f"{label} {key}={out[key]}: must be >= 0")
+        elif key in ("check_greedy", "add_bos", "suppress_eos"):
+            out[key] = _bool(value, key, label)
+        elif key in ("algorithm", "block_context"):
+            check = canonical_algorithm if key == "algorithm" else check_block_context
+            try:
+                check(str(value))
+            except ValueError as err:
+                raise ValueError(f"{label} {key}={value!r}: {err}") from None
+    return out
+
+
+def _check_blocks(args: dict[str, Any], label: str) -> None:
+    """The sampler's cross-key rules (blocks, steps, Dream-only options) on the values given; a
+    missing ``gen_length`` (the task's ``max_gen_toks`` at request time) is checked there."""
+    gen, block, steps = args.get("gen_length"), args.get("block_length"), args.get("steps")
+    if gen is not None and block is not None and gen % block:
+        whole = -(-gen // block) * block
+        raise ValueError(
+            f"{label} gen_length={gen} is not a multiple of block_length={block}: the sampler decodes "
+            f"whole blocks, so it would decode {whole} tokens; set gen_length={whole}, or a "
+            f"block_length that divides {gen}"
+        )
+    length = gen or block or 1
+    sampler = {k: args[k] for k in _SAMPLER_KEYS if args.get(k) is not None}
+    sampler.update(gen_length=length, block_length=block, steps=steps or length)
+    try:
+        SamplerConfig(**sampler).validate()
+    except ValueError as err:
+        raise ValueError(f"{label.rstrip(':')}: {err}".replace("sampler: ", "")) from None
+
+
+_SAMPLER_KEYS = ("block_context", "algorithm", "temperature", "top_p", "top_k", "alg_temp", "cfg_scale")
 
 
 @register_model("mdlmpe")
@@ -101,6 +214,16 @@ class MDLMPEEvalLM(LM):
         likelihood_block: int | None = None,
     ) -> None:
         super().__init__()
+        args = check_model_args(
+            dict(
+                batch_size=None if str(batch_size).startswith("auto") else batch_size,
+                mc_num=mc_num, mc_batch_size=mc_batch_size, check_greedy=check_greedy, add_bos=add_bos,
+                max_length=max_length, gen_length=gen_length, steps=steps, block_length=block_length,
+                block_context=block_context, algorithm=algorithm, temperature=temperature, top_p=top_p,
+                top_k=top_k, alg_temp=alg_temp, suppress_eos=suppress_eos, cfg_scale=cfg_scale,
+                likelihood_block=likelihood_block,
+            )
+        )  # fmt: skip
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._rank, self._world_size, device = _data_parallel(device)
         if isinstance(pretrained, torch.nn.Module):
@@ -116,29 +239,21 @@ class MDLMPEEvalLM(LM):
         self._device = next(self.model.parameters()).device
         cfg = self.model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
-        self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
-        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
-        self.check_greedy = _bool(check_greedy)
+        self.batch_size = args["batch_size"] or 1
+        self.mc_num, self.mc_batch_size = args["mc_num"], args["mc_batch_size"]
+        self.check_greedy = args["check_greedy"]
         # Dream cannot predict position 0 (shifted logits), so its inputs start with a BOS (docs/models.md
         # §2.3).
-        self.add_bos = (cfg.family == "dream") if add_bos is None else _bool(add_bos)
-        self.max_length = int(max_length) if max_length is not None else cfg.max_seq_len
+        self.add_bos = (cfg.family == "dream") if add_bos is None else args["add_bos"]
+        self.max_length = args["max_length"] or cfg.max_seq_len
         self.seed = int(seed)
-        self.likelihood_block = None if likelihood_block is None else int(likelihood_block)
+        self.likelihood_block = args["likelihood_block"]
         self.progress_desc: str | None = None  # the progress bars' label (a benchmark sets the task's)
-        self.sampler = dict(
-            gen_length=None if gen_length is None else int(gen_length),
-            steps=None if steps is None else int(steps),
-            block_length=None if block_length is None else int(block_length),
-            block_context=block_context,
-            algorithm=algorithm,
-            temperature=float(temperature),
-            top_p=None if top_p is None else float(top_p),
-            top_k=None if top_k is None else int(top_k),
-            alg_temp=float(alg_temp),
-            suppress_eos=_bool(suppress_eos),
-            cfg_scale=float(cfg_scale),
-        )
+        self.sampler = {k: args[k] for k in ("gen_length", "steps", "block_length", "suppress_eos")}
+        self.sampler.update({k: args[k] for k in _SAMPLER_KEYS})
+        # Requests whose prompt lost its oldest tokens to max_length, per request type (this process's
+        # requests); in lm-eval's results under config.truncated_requests (get_model_info).
+        self.truncated: dict[str, int] = {"loglikelihood": 0, "generate_until": 0}
 
     # ------------------------------------------------------------------ tokenisation
     @property
@@ -151,6 +266,37 @@ class MDLMPEEvalLM(LM):
 
     def _prefix(self) -> list[int]:
         return [self.prefix_token_id] if self.add_bos else []
+
+    def _fit(self, tokens: list[int], room: int, cuts: list[int]) -> list[int]:
+        """``tokens`` (the adapter's prefix first) in at most ``room`` tokens: the oldest tokens after
+        the prefix are dropped (a few-shot prompt loses its first examples, never the BOS the model
+        needs), and the number dropped is appended to ``cuts`` for ``_report_cuts``."""
+        if len(tokens) <= room:
+            return tokens
+        keep = len(self._prefix())
+        cut = len(tokens) - room
+        cuts.append(cut)
+        return tokens[:keep] + tokens[keep + cut :]
+
+    def _report_cuts(self, kind: str, cuts: list[int], total: int, room: str) -> None:
+        """One warning per call (not per request) when prompts were cut, and the running count in
+        ``self.truncated``: lm-eval scores a cut prompt without complaint, so the cut must be loud."""
+        if not cuts:
+            return
+        self.truncated[kind] += len(cuts)
+        logger.warning(
+            "lm-eval adapter: %d of %d %s requests did not fit %s and lost their oldest prompt tokens "
+            "(the BOS/prefix kept): %d tokens cut on average, at most %d. Their scores are of shortened "
+            "prompts (few-shot examples missing); raise max_length (model_args; the model's max_seq_len "
+            "is %d), or lower num_fewshot%s",
+            len(cuts), total, kind, room, sum(cuts) // len(cuts), max(cuts), self.model.config.max_seq_len,
+            " or gen_length" if kind == "generate_until" else "",
+        )  # fmt: skip
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Added by lm-eval's ``simple_evaluate`` to its results' ``config``: how many requests of
+        this process had their prompts cut to fit ``max_length``."""
+        return {"truncated_requests": dict(self.truncated), "max_length": self.max_length}
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Tokens of context and continuation, split as lm-eval's ``TemplateLM`` does: trailing spaces
@@ -172,7 +318,7 @@ class MDLMPEEvalLM(LM):
         return tqdm(total=total, desc=desc, unit="req", disable=disable or self._rank != 0, leave=False)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
+        out, cuts = [], []
         bar = self._progress(len(requests), "loglikelihood", disable_tqdm)
         for req in requests:
             context, continuation = req.args
@@ -183,7 +329,7 @@ class MDLMPEEvalLM(LM):
                 raise ValueError(
                     f"continuation of {len(cont)} tokens does not fit max_length {self.max_length}"
                 )
-            ctx = ctx[max(len(ctx) + len(cont) - self.max_length, 0) :]  # keep the context's tail
+            ctx = self._fit(ctx, self.max_length - len(cont), cuts)  # the prefix and the context's tail
             g = torch.Generator().manual_seed(_seed_for(self.seed, context, continuation))
             if self.likelihood_block is None:
                 ll = conditional_elbo(self.model, ctx, cont, self.mask_id, g, self.mc_num, self.mc_batch_size)
@@ -197,6 +343,9 @@ class MDLMPEEvalLM(LM):
             self.cache_hook.add_partial("loglikelihood", req.args, (ll, greedy))
             bar.update(1)
         bar.close()
+        self._report_cuts(
+            "loglikelihood", cuts, len(requests), f"max_length {self.max_length} with their continuations"
+        )
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -221,13 +370,26 @@ class MDLMPEEvalLM(LM):
         return out
 
     def _sampler_config(self, gen_kwargs: dict[str, Any]) -> SamplerConfig:
+        """The sampler for one group of requests. A ``gen_length`` given in model_args is a whole
+        number of blocks (checked at construction); the task's ``max_gen_toks`` is rounded up to one,
+        with a warning, since the task cannot be changed from here."""
         opts = dict(self.sampler)
-        gen_length = opts.pop("gen_length") or int(gen_kwargs.get("max_gen_toks", 256))
-        block = opts.pop("block_length") or gen_length
-        gen_length = -(-gen_length // block) * block  # a whole number of blocks
+        gen_length = opts.pop("gen_length")
+        block = opts.pop("block_length")
+        if gen_length is None:
+            asked = int(gen_kwargs.get("max_gen_toks", 256))
+            block = block or asked
+            gen_length = -(-asked // block) * block
+            if gen_length != asked:
+                logger.warning(
+                    "lm-eval adapter: the task's max_gen_toks=%d is not a multiple of model_args "
+                    "block_length=%d; decoding %d tokens (whole blocks). Set gen_length= in model_args "
+                    "to choose the length yourself",
+                    asked, block, gen_length,
+                )  # fmt: skip
         steps = opts.pop("steps") or gen_length
         return SamplerConfig(
-            gen_length=gen_length, steps=steps, block_length=block, seed=self.seed, **opts
+            gen_length=gen_length, steps=steps, block_length=block or gen_length, seed=self.seed, **opts
         ).validate()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -236,6 +398,8 @@ class MDLMPEEvalLM(LM):
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
         bar = self._progress(len(requests), "generate", disable_tqdm)
+        cuts: list[int] = []
+        rooms: set[int] = set()
         for members in groups.values():
             gen_kwargs = requests[members[0]].args[1]
             config = self._sampler_config(gen_kwargs)
@@ -249,7 +413,8 @@ class MDLMPEEvalLM(LM):
                     raise ValueError(
                         f"gen_length {config.gen_length} leaves no room in max_length {self.max_length}"
                     )
-                prompts = [(self._prefix() + self.tok_encode(c))[-room:] for c in contexts]
+                rooms.add(room)
+                prompts = [self._fit(self._prefix() + self.tok_encode(c), room, cuts) for c in contexts]
                 seeds = [_seed_for(self.seed, c) for c in contexts]
                 gen = generate(self.model, prompts, config, seeds=seeds)
                 for i, response in zip(chunk, gen.responses):
@@ -259,6 +424,9 @@ class MDLMPEEvalLM(LM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(chunk))
         bar.close()
+        sizes = "/".join(map(str, sorted(rooms)))
+        room = f"the {sizes} prompt tokens max_length {self.max_length} leaves beside gen_length"
+        self._report_cuts("generate_until", cuts, len(requests), room)
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ data parallel (lm-eval's hooks)

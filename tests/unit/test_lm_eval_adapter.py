@@ -216,6 +216,10 @@ def test_adapter_answers_local_tasks_through_lm_eval(tmp_path, echo, monkeypatch
     assert res["mdlmpe_local_mc"]["acc,none"] == 1.0
     assert res["mdlmpe_local_gen"]["exact_match,none"] == 1.0
     assert calls == {"loglikelihood": 3 * n_mc, "generate_until": n_gen}
+    assert results["config"]["truncated_requests"] == {
+        "loglikelihood": 0,
+        "generate_until": 0,
+    }  # get_model_info
     outputs = [s["filtered_resps"][0] for s in results["samples"]["mdlmpe_local_gen"]]
     assert outputs == ["aaaa", "bbbb", "cccc", "dddd"]
 
@@ -347,3 +351,102 @@ def test_rolling_loglikelihood_scores_every_token_once(echo, monkeypatch):
     assert [t for _, cont in windows for t in cont] == [ord(c) for c in text]  # each token once, in order
     assert windows[0][0] == [echo.config.eos_token_id]  # the first window is conditioned on the prefix
     assert all(len(ctx) + len(cont) <= 4 for ctx, cont in windows)
+
+
+# ------------------------------------------------------------------------------------ refusals and warnings
+class _Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+class BosCharTokenizer(CharTokenizer):
+    bos_token_id = 1
+
+
+def test_truncated_prompts_keep_the_bos_and_are_counted_and_reported(echo, monkeypatch, caplog):
+    """Before: ``(prefix + prompt)[-room:]`` dropped the BOS with the oldest tokens, and lm-eval
+    scored the cut prompts without a word (GSM8K 4-shot contexts of ~150 tokens cut to 28)."""
+    import logging
+    from types import SimpleNamespace
+
+    from mdlmpe_ds.evaluation import lm_eval_adapter
+
+    prompts, scored = [], []
+
+    def fake_generate(model, rows, config, seeds):
+        prompts.extend(list(r) for r in rows)
+        return SimpleNamespace(responses=torch.full((len(rows), config.gen_length), echo.config.eos_token_id))
+
+    monkeypatch.setattr(lm_eval_adapter, "generate", fake_generate)
+    monkeypatch.setattr(
+        lm_eval_adapter, "conditional_elbo", lambda m, ctx, cont, *a: scored.append(ctx) or -1.0
+    )
+    lm = lm_eval_adapter.MDLMPEEvalLM(
+        echo, tokenizer=BosCharTokenizer(), add_bos=True, max_length=9, gen_length=4
+    )
+    gen = {"until": ["\n"], "max_gen_toks": 4}
+    with caplog.at_level(logging.WARNING, logger=lm_eval_adapter.__name__):
+        lm.generate_until([_Req("abcdefghij", gen), _Req("ab", gen), _Req("0123456789", gen)])
+    assert prompts[0] == [1, *map(ord, "ghij")] and prompts[1] == [1, 97, 98]  # BOS + the newest 4 tokens
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2 of 3 generate_until requests" in warnings[0]  # once per call
+    assert "6 tokens cut on average, at most 6" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=lm_eval_adapter.__name__):
+        lm.loglikelihood([_Req("abcdefghij", " xy"), _Req("a", " xy")])
+    assert scored[0] == [1, *map(ord, "fghij")] and scored[1] == [1, 97]  # 9 = BOS + 5 + " xy" (3)
+    assert "1 of 2 loglikelihood requests" in caplog.text
+    assert lm.truncated == {"loglikelihood": 1, "generate_until": 2}
+    assert lm.get_model_info()["truncated_requests"] == lm.truncated  # lm-eval's results' config
+
+
+def test_gen_length_not_a_whole_number_of_blocks_is_refused_at_construction(echo, caplog):
+    """Before: gen_length=5, block_length=4 decoded 8 tokens without a word (launch/generate.py
+    refuses the same combination)."""
+    import logging
+
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+
+    with pytest.raises(
+        ValueError, match=r"gen_length=5 is not a multiple of block_length=4.*decode 8 tokens"
+    ):
+        MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), gen_length=5, block_length=4)
+    lm = MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), gen_length=8, block_length=4)
+    assert lm._sampler_config({"max_gen_toks": 3}).gen_length == 8
+    # The task's max_gen_toks (no gen_length given) cannot be refused from here: rounded up, loudly.
+    from_task = MDLMPEEvalLM(echo, tokenizer=CharTokenizer(), block_length=4)
+    with caplog.at_level(logging.WARNING, logger="mdlmpe_ds.evaluation.lm_eval_adapter"):
+        assert from_task._sampler_config({"max_gen_toks": 5}).gen_length == 8
+    assert "max_gen_toks=5 is not a multiple of model_args block_length=4; decoding 8 tokens" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("mc_num", 0, "model_args mc_num=0: must be >= 1"),
+        ("mc_batch_size", 0, "model_args mc_batch_size=0: must be >= 1"),
+        ("gen_length", -5, "model_args gen_length=-5: must be >= 1"),
+        ("gen_length", "abc", "model_args gen_length='abc': expected a whole number"),
+        ("steps", 0, "model_args steps=0: must be >= 1"),
+        ("block_length", 0, "model_args block_length=0: must be >= 1"),
+        ("likelihood_block", 0, "model_args likelihood_block=0: must be >= 1"),
+        ("max_length", 1, "model_args max_length=1: must be >= 2"),
+        ("algorithm", "bogus", "model_args algorithm='bogus': unknown sampling algorithm"),
+        ("block_context", "half", "model_args block_context='half'"),
+        ("temperature", -1.0, "model_args temperature=-1.0: must be >= 0"),
+        ("top_p", 5, "model_args top_p=5.0: must be in"),
+        ("suppress_eos", "maybe", "model_args suppress_eos='maybe': expected true or false"),
+    ],
+)
+def test_bad_model_args_are_refused_at_construction_naming_the_key(key, value, message):
+    """Before: mc_num=0 failed at the first request as 'mc_num=0 and batch_size=32 must be >= 1'
+    (a batch size the user never set); the check now runs before any model is loaded."""
+    from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+
+    with pytest.raises(ValueError) as err:
+        MDLMPEEvalLM(
+            "/nonexistent/model", tokenizer=CharTokenizer(), **{key: value}
+        )  # no load: no FileNotFound
+    assert message in str(err.value)
+    if key != "mc_batch_size":
+        assert "batch_size" not in str(err.value)

@@ -23,7 +23,7 @@ from mdlmpe_ds.evaluation.benchmark.runner import (
     plan,
 )
 from mdlmpe_ds.evaluation.benchmark.suites import CODE, Suite
-from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM
+from mdlmpe_ds.evaluation.lm_eval_adapter import MDLMPEEvalLM, check_model_args, parse_model_args
 from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,31 @@ def check_models(models: list[ModelRef]) -> None:
         raise ValueError(f"model names must differ, got {names}; pass --names")
 
 
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Each ``--set`` value checked on its own, as the adapter checks its model_args (before any
+    model is resolved or loaded: a real run used to fail only at the first model load, and the dry
+    run printed a plan of ~0 forwards for ``steps=0``)."""
+    parse_model_args(overrides, label="--set")
+
+
+def check_decoding(jobs: list[Job], overrides: dict[str, Any]) -> None:
+    """Every job's decoding (its suite row with the ``--set`` values merged in) checked as the
+    adapter will check it, so that e.g. ``--set gen_length=5`` on a row with block_length 512 is
+    refused in the plan rather than after the model loads."""
+    where = " with --set" if overrides else ""
+    for job in jobs:
+        check_model_args(
+            job.settings["decoding"], label=f"{job.spec.display()} ({job.model.family} decoding{where}):"
+        )
+
+
 def prepare_plan(suite: Suite, models: list[ModelRef], opts: RunOptions, cache_root: str | Path) -> list[Job]:
-    """The jobs with their settings and cached results; refuses unmatched settings."""
+    """The jobs with their settings and cached results; refuses bad decoding values and unmatched
+    settings."""
     check_models(models)
+    check_overrides(opts.overrides)
     jobs = plan(suite, models, opts, ResultCache(cache_root))
+    check_decoding(jobs, opts.overrides)
     check_matched(suite, jobs)
     return jobs
 
