@@ -417,3 +417,46 @@ def test_a_run_resumed_from_another_runs_checkpoint_keeps_its_own_base(tmp_path)
     with pytest.raises(FileNotFoundError) as err:
         lora_base.find_base_file(step, {"train": {"output_dir": str(tmp_path / "c")}})
     assert str(err.value).count(str(tmp_path / "c" / lora_spec.BASE_FILE)) == 1
+
+
+def test_a_partial_edit_of_a_pretrained_base_is_caught_and_old_records_still_match(tmp_path):
+    """A probe changed 2,000 embedding rows in the middle of a shard, between the head/middle/tail
+    samples, and the resume accepted the base. The spread digest sees an edit spanning one of its
+    steps; a checkpoint recorded before it existed (size and crc32 only) is compared on those."""
+    from mdlmpe_ds.models.hf_io import save_pretrained
+    from mdlmpe_ds.training import checkpoint as ckpt
+
+    model = _tiny()
+    base = tmp_path / "base"
+    save_pretrained(model, base, model.config)
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    identity = lora_base.base_identity(base)
+    lora_checkpoints.write_checkpoint_meta(step, lora_spec.parse("r=4,targets=q,v"), [], identity)
+    assert lora_base.check_base_identity(step, base) == identity
+    old = {
+        **identity,
+        "files": {n: {k: v for k, v in f.items() if k != "spread"} for n, f in identity["files"].items()},
+    }
+    old_step = tmp_path / "old" / "checkpoints" / "step_000002"
+    old_step.mkdir(parents=True)
+    lora_checkpoints.write_checkpoint_meta(old_step, lora_spec.parse("r=4,targets=q,v"), [], old)
+    assert lora_base.check_base_identity(old_step, base) == old  # a record from before: still matches
+    shard = base / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    at = int(len(data) * 0.3)  # away from the head, middle and tail samples of a large shard
+    data[at : at + 8] = bytes(8 - i for i in range(8))
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not the base this LoRA checkpoint was trained on"):
+        lora_base.check_base_identity(step, base)
+    # a large file: an edit between the head/middle/tail samples changes the spread digest only
+    big = tmp_path / "big.bin"
+    blob = bytearray(8 * 2**20)
+    big.write_bytes(bytes(blob))
+    before = (ckpt.sampled_crc32(big), lora_base.spread_crc32(big, len(blob)))
+    step_bytes = (len(blob) - lora_base.SPREAD_BYTES) / (lora_base.SPREAD_CHUNKS - 1)
+    at = int(0.3 * len(blob))
+    blob[at : at + int(step_bytes) + 1] = b"\x01" * (int(step_bytes) + 1)
+    big.write_bytes(bytes(blob))
+    after = (ckpt.sampled_crc32(big), lora_base.spread_crc32(big, len(blob)))
+    assert after[0] == before[0] and after[1] != before[1]
