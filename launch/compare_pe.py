@@ -55,6 +55,83 @@ def compare_overrides(forwarded: list[str]) -> tuple[list[str], list[str]]:
     return extra, notes
 
 
+# Keys compare sets on every run's command line, after the forwarded flags (so they would win):
+# config key -> the compare flag that chooses it.
+COMPARE_OWNS = {
+    "train.output_dir": "--out (each run goes to <out>/runs/<encoding>-seed<seed>)",
+    "train.seed": "--seeds",
+    "model.position_encoding": "--encodings",
+}
+
+
+def owned_keys(forwarded: list[str]) -> list[str]:
+    """One line per forwarded key compare would silently replace (COMPARE_OWNS, and --resume: every
+    run is started with --resume auto), naming the compare flag to use instead. Before, compare's
+    own flags came later in each run's command and won, contrary to docs/training.md."""
+    from mdlmpe_ds.config import cli
+    from mdlmpe_ds.experiments import run_plan
+
+    flags, overrides = cli.parse(run_plan.pretrain_parser(), forwarded)
+    lines = [
+        f"{key} (--{key.split('.', 1)[1]} {overrides[key]}): use compare's {flag}"
+        for key, flag in COMPARE_OWNS.items()
+        if key in overrides
+    ]
+    if flags.get("resume") is not None:
+        lines.append(f"--resume {flags['resume']}: compare resumes every run itself (--resume auto)")
+    return lines
+
+
+def check_study(parser: argparse.ArgumentParser, args: argparse.Namespace, forwarded: list[str]) -> None:
+    """What would waste the trainings, refused before the first one starts: a key compare replaces,
+    a repeated seed or encoding (the same run scored twice, counted as n=2), a corpus that does not
+    exist or an evaluation window longer than the runs train (both failed after all the trainings)."""
+    from mdlmpe_ds.data.corpora import unknown_corpus
+
+    owned = owned_keys(forwarded)
+    if owned:
+        parser.error("compare sets these itself for every run: " + "; ".join(owned))
+    for flag, values in (("--seeds", args.seeds), ("--encodings", args.encodings)):
+        repeated = sorted({v for v in values if values.count(v) > 1}, key=values.index)
+        if repeated:
+            parser.error(
+                f"{flag} {' '.join(map(str, values))}: {', '.join(map(str, repeated))} given more than once; "
+                "each value is one matched run, and a repeat would be scored again as another sample"
+            )
+    for corpus in args.corpora:
+        error = unknown_corpus(corpus)
+        if error is not None:
+            parser.error(f"--corpora: {error}")
+    if args.seq_len is not None:
+        out = Path(args.out)
+        trained = (
+            _trained_length(out, args.encodings, args.seeds)
+            if args.evaluate_only
+            else _planned_length(args, forwarded)
+        )
+        check_seq_len(parser, args.seq_len, trained)
+
+
+def check_seq_len(parser: argparse.ArgumentParser, seq_len: int, trained: int) -> None:
+    """The evaluation window against the runs' data.max_len, as launch/evaluate.py checks it against
+    the model's max_seq_len: positions past it are never trained."""
+    if seq_len < 2:
+        parser.error(f"--seq_len {seq_len}: must be >= 2 (tokens per window)")
+    if seq_len > trained:
+        parser.error(
+            f"--seq_len {seq_len} is longer than the runs' training length {trained} (data.max_len): "
+            f"positions past it are never trained; use --seq_len {trained} or less (default: {trained})"
+        )
+
+
+def _planned_length(args: argparse.Namespace, forwarded: list[str]) -> int:
+    """data.max_len of the runs, as launch/pretrain.py will read it from the forwarded flags."""
+    from mdlmpe_ds.experiments import run_plan
+
+    run, _ = run_plan.planned_run(forwarded, args.encodings[0], args.seeds[0], Path(args.out), args.deepspeed)
+    return int(run.data.max_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mdlmpe_ds.data.corpora import EVAL_CORPORA
     from mdlmpe_ds.diffusion.elbo import T_SAMPLING
@@ -101,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [e for e in args.encodings if e not in compare.ENCODINGS]
     if unknown:
         parser.error(f"unknown encodings {unknown}; choose from {', '.join(compare.ENCODINGS)}")
+    check_study(parser, args, forwarded)
     extra, notes = compare_overrides(forwarded)
     for note in notes:
         print(note, flush=True)

@@ -53,8 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_corpus_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what a run would refuse (config/run.py validates data.max_documents >= 1): a store
+    built with --max_documents 0 sits under a key no run ever maps."""
+    if args.max_documents is not None and args.max_documents < 1:
+        parser.error(
+            f"--max_documents {args.max_documents}: must be >= 1, as a run's data.max_documents; "
+            "leave it out for the whole corpus"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "corpus":
+        check_corpus_args(parser, args)
     if args.command == "list":
         for name, part in PARTS.items():
             print(f"{name}: {', '.join(part.files)}")

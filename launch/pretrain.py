@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None, faults=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run = recipes.pretrain_run(args.config, args.recipe, overrides, world)
     applied = recipes.pretrain_recipe(run.model.preset, args.recipe)
+    if applied:
+        recipes.check_recipe_model(applied, run)
     if applied and os.environ.get("RANK", "0") == "0":
         print(recipes.describe(recipes.get(applied), run, world), flush=True)
 

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None, faults=None) -> int:
 
     chosen = recipes.get(args.recipe, "sft") if args.recipe else None
     run = cli.configure(recipes.sft_config(args.recipe), args.config, overrides, launcher="sft")
+    if chosen:
+        recipes.check_recipe_model(chosen.name, run)  # a LLaDA recipe on a Dream model, or the reverse
     if chosen and os.environ.get("RANK", "0") == "0":
         print(recipes.describe(chosen, run), flush=True)
 

@@ -34,6 +34,8 @@ class Recipe:
     values: dict[str, tuple[Any, str]] = field(default_factory=dict)
     # Pretraining recipes split the paper's effective batch over the ranks (see batch_split).
     global_batch: int | None = None
+    # The model family the recipe's values are written for ("llada" | "dream"): check_recipe_model.
+    family: str | None = None
 
     def defaults(self) -> dict[str, Any]:
         return {key: value for key, (value, _) in self.values.items()}
@@ -82,6 +84,7 @@ RECIPES: dict[str, Recipe] = {
             "data.max_len": (1024, "docs/models.md §6 (dllm --max_length 1024)"),
             "train.output_dir": ("outputs/llada-8b-sft", "choice"),
         },
+        family="llada",
     ),
     "dream-7b-sft": Recipe(
         "dream-7b-sft",
@@ -99,6 +102,7 @@ RECIPES: dict[str, Recipe] = {
             "optim.clip": (1.0, "docs/models.md §3.5"),
             "train.output_dir": ("outputs/dream-7b-sft", "choice"),
         },
+        family="dream",
     ),
     "llada-100m": Recipe(
         "llada-100m",
@@ -111,6 +115,7 @@ RECIPES: dict[str, Recipe] = {
             "train.output_dir": ("outputs/pretrain-llada-100m", "choice"),
         },
         global_batch=16,
+        family="llada",
     ),
     "dream-100m": Recipe(
         "dream-100m",
@@ -122,6 +127,7 @@ RECIPES: dict[str, Recipe] = {
             "train.output_dir": ("outputs/pretrain-dream-100m", "choice"),
         },
         global_batch=16,
+        family="dream",
     ),
 }
 
@@ -133,6 +139,67 @@ def get(name: str, launcher: str | None = None) -> Recipe:
     if launcher is not None and recipe.launcher != launcher:
         raise ValueError(f"recipe {name!r} is for launch/{recipe.launcher}.py, not launch/{launcher}.py")
     return recipe
+
+
+FAMILY_NAMES = {"llada": "LLaDA", "dream": "Dream"}
+
+
+def check_recipe_model(name: str, run: Any) -> None:
+    """Refuse a recipe written for another model family than the run's model: ``--recipe
+    llada-8b-sft`` on a Dream model set LLaDA's one-sampled-turn rule, lengths and output_dir while
+    the loss followed Dream, a run that is neither recipe. Called once the config is built (the model
+    may be a flag or a config-file key); a hub id not yet downloaded is not checked here (the family
+    is known only after the download; the run reads it then)."""
+    recipe = get(name)
+    family, where = model_family(run)
+    if recipe.family is None or family is None or family == recipe.family:
+        return
+    fits = [n for n, r in RECIPES.items() if r.launcher == recipe.launcher and r.family == family]
+    instead = f"use --recipe {' or '.join(fits)} (or no --recipe)" if fits else "leave --recipe out"
+    ours, theirs = FAMILY_NAMES[recipe.family], FAMILY_NAMES.get(family, family)
+    shown = [key for key in ("data.multiturn", "data.tokenizer", "train.output_dir") if key in recipe.values]
+    values = ", ".join(f"{key} {recipe.values[key][0]!r}" for key in shown)
+    raise ValueError(
+        f"--recipe {name} is {ours}'s recipe, but {where} is a {theirs} model: the loss would follow "
+        f"{theirs} while the recipe's values ({values}) follow {ours}; {instead}"
+    )
+
+
+def model_family(run: Any) -> tuple[str | None, str]:
+    """(family, how the model was named) of ``run``'s model: model.model_name_or_path's config.json
+    (a local directory, or a hub id in the local cache), else model.preset's; None when unknown."""
+    from mdlmpe_ds.models.hf_config import detect_family
+
+    m = run.model
+    if m.model_name_or_path is None:
+        from mdlmpe_ds.models.presets import preset
+
+        return preset(m.preset).family, f"--preset {m.preset}"
+    raw = _config_json(m.model_name_or_path, getattr(m, "revision", None))
+    where = f"--model_name_or_path {m.model_name_or_path}"
+    return (detect_family(raw, where) if raw is not None else None), where
+
+
+def _config_json(name: str, revision: str | None) -> dict | None:
+    """The parsed config.json of a local model directory or of a hub id already cached (no download)."""
+    import json
+    from pathlib import Path
+
+    from mdlmpe_ds.hub.resolve import looks_like_hub_id
+
+    file: Any = Path(name) / "config.json"
+    if looks_like_hub_id(name):
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, _, pinned = name.partition("@")
+        file = try_to_load_from_cache(repo, "config.json", revision=revision or pinned or None)
+        file = Path(file) if isinstance(file, str) else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None  # the run reports an unreadable config.json with its own message
 
 
 def batch_split(recipe: Recipe, world: int) -> dict[str, Any]:

@@ -146,3 +146,34 @@ def test_mask_id_comes_from_the_preset_when_the_tokenizer_has_none(tmp_path):
     run = build_config(None, ["--preset", "llada-100m", "--max_len", "64"])
     config = model_config_for(run, tokenizer)
     assert (config.mask_token_id, config.vocab_size) == (126336, 126464)
+
+
+def test_a_recipe_for_the_other_model_family_is_refused(tmp_path, monkeypatch):
+    """`--recipe llada-8b-sft` on a Dream checkpoint set LLaDA's one-sampled-turn rule and
+    outputs/llada-8b-sft while the loss followed Dream, without a word; now refused by name, with the
+    recipe that fits (launch/sft.py calls check_recipe_model once the config is built)."""
+    from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
+
+    config = preset("dream-tiny", vocab_size=128, mask_token_id=3, eos_token_id=0, pad_token_id=0)
+    save_pretrained(DiffusionLM(config), tmp_path / "dream", config)
+    flags = ["--model_name_or_path", str(tmp_path / "dream")]
+    run = build_config(None, flags, defaults=recipes.get("llada-8b-sft").defaults())
+    with pytest.raises(ValueError) as exc:
+        recipes.check_recipe_model("llada-8b-sft", run)
+    assert str(exc.value) == (
+        f"--recipe llada-8b-sft is LLaDA's recipe, but --model_name_or_path {tmp_path / 'dream'} is a Dream "
+        "model: the loss would follow Dream while the recipe's values (data.multiturn 'sample', "
+        "train.output_dir 'outputs/llada-8b-sft') follow LLaDA; use --recipe dream-7b-sft (or no --recipe)"
+    )
+    recipes.check_recipe_model(
+        "dream-7b-sft", build_config(None, flags, defaults=recipes.get("dream-7b-sft").defaults())
+    )
+    with pytest.raises(ValueError, match="--preset dream-tiny is a Dream model"):
+        recipes.check_recipe_model("llada-100m", build_config(None, ["--preset", "dream-tiny"]))
+    # launch/sft.py checks it once the config is built, before anything is read or planned
+    with pytest.raises(ValueError, match="--recipe llada-8b-sft is LLaDA's recipe"):
+        _launcher("sft").main(["--recipe", "llada-8b-sft", "--dry-run", *flags])
+    # A hub id that is not downloaded yet: the family is unknown here, so nothing is refused.
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *args, **kwargs: None)
+    run = build_config(None, ["--model_name_or_path", "Dream-org/Dream-v0-Base-7B"])
+    recipes.check_recipe_model("llada-8b-sft", run)

@@ -187,3 +187,28 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
     assert lr_factor(s.updates, s) == pytest.approx(s.min_lr_ratio)
     values = [lr_factor(u, s) for u in range(s.warmup, s.updates + 1)]
     assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_toy_refuses_the_flags_it_would_override(tmp_path, capsys):
+    """`--toy --geometries L64-K8` trained and reported L16-K3 without a word; now the flags --toy
+    fixes are refused by name, values equal to the toy's are accepted, and --seeds applies."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "launch" / "runlength_study.py"
+    cli = runpy.run_path(str(script))
+    with pytest.raises(SystemExit) as exc:
+        argv = ["--toy", "--geometries", "L64-K8", "--attention", "compiled", "--report-only"]
+        cli["main"]([*argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert (
+        "--toy trains L16-K3 with dense attention, so it cannot take --geometries L64-K8, --attention "
+        "compiled: drop them, or drop --toy for the full-size study"
+    ) in capsys.readouterr().err
+    parser = cli["build_parser"]()
+    args = parser.parse_args(["--toy", "--geometries", "L16-K3", "--seeds", "3", "4"])
+    assert cli["resolve_toy"](parser, args) == cli["TOY_SETTINGS"]
+    assert (args.geometries, args.attention, args.seeds) == (["L16-K3"], "dense", [3, 4])
+    args = parser.parse_args(["--attention", "dense"])
+    cli["resolve_toy"](parser, args)
+    assert (args.geometries, args.attention, args.seeds) == (["L64-K8", "L128-K16"], "dense", [0, 1, 2, 3, 4])

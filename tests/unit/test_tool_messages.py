@@ -145,3 +145,34 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
     message = str(exc.value)
     assert message.startswith(f"{file}: line ") and "not valid YAML" in message
     assert "<unicode string>" not in message
+
+
+def test_analyze_checkpoint_refuses_a_probe_longer_than_the_model(tmp_path):
+    """Before: `analyze.py checkpoint --length 500` probed a 64-position model at untrained positions."""
+    model_dir = tmp_path / "mdlmpe64"
+    config = preset("llada-tiny", position_encoding="mdlmpe", max_seq_len=64, mdlmpe={"max_seq_len": 64})
+    save_pretrained(DiffusionLM(config), model_dir, config)
+    argv = ["checkpoint", "--model", str(model_dir), "--out", str(tmp_path / "diag")]
+    with pytest.raises(SystemExit) as exc:
+        _launcher("analyze").main([*argv, "--length", "500"])
+    assert str(exc.value) == (
+        f"--length 500 is longer than the maximum length 64 of {model_dir} (max_seq_len in its config): "
+        "positions past it were never trained; use --length 64 or less"
+    )
+    with pytest.raises(SystemExit, match="--prompt-ids gives 65 ids, more than the maximum length 64"):
+        _launcher("analyze").main([*argv, "--prompt-ids", ",".join(["5"] * 65)])
+    assert not (tmp_path / "diag").exists()
+
+
+def test_prepare_data_refuses_max_documents_zero_before_building(tmp_path, capsys, monkeypatch):
+    """Before: a full store built under a key no run maps (runs refuse data.max_documents=0)."""
+    from mdlmpe_ds.data import corpora
+
+    monkeypatch.setattr(corpora, "prepare_stores", lambda *a, **k: pytest.fail("a store was built"))
+    prepare = _launcher("prepare_data")
+    monkeypatch.setattr(prepare, "prepare_stores", lambda *a, **k: pytest.fail("a store was built"))
+    argv = ["corpus", "shakespeare", "--tokenizer", "t", "--store_dir", str(tmp_path), "--max_documents", "0"]
+    with pytest.raises(SystemExit) as exc:
+        prepare.main(argv)
+    assert exc.value.code == 2
+    assert "--max_documents 0: must be >= 1, as a run's data.max_documents" in capsys.readouterr().err
