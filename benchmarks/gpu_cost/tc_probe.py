@@ -63,6 +63,33 @@ HEADS = 32
 
 
 @triton.jit
+def _tile_pairs(alpha, beta, rows, cols, L, PAIRS: tl.constexpr):
+    """alpha, beta [BM, BN] of each pair of the tile, as fp16 tiles (tuples of PAIRS)."""
+    alphas = ()
+    betas = ()
+    for m in tl.static_range(PAIRS):
+        off = m * L * L + rows[:, None] * L + cols[None, :]
+        alphas = alphas + (tl.load(alpha + off).to(tl.float16),)  # noqa: RUF005
+        betas = betas + (tl.load(beta + off).to(tl.float16),)  # noqa: RUF005
+    return alphas, betas
+
+
+@triton.jit
+def _key_slots(kp, h, keys, kk, used, L, PAIRS: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Head h's keys in the K slots of a tile product: (k1, k2) and (-k2, k1) per pair, [KQ, BN]
+    (the forward's right operand) or [BN, KQ] (KEYS_FIRST: dq's right operand); fp32."""
+    if KEYS_FIRST:
+        at = kp + (h * L + keys[:, None]) * (2 * PAIRS)
+        slot, ok = kk[None, :], used[None, :]
+    else:
+        at = kp + (h * L + keys[None, :]) * (2 * PAIRS)
+        slot, ok = kk[:, None], used[:, None]
+    k = tl.load(at + slot, mask=ok, other=0.0)
+    k_j = tl.load(at + (slot ^ 1), mask=ok, other=0.0)  # (k2, k1)
+    return k, tl.where(slot % 2 == 0, -k_j, k_j)  # (k1, k2), (-k2, k1)
+
+
+@triton.jit
 def tc_pair_forward(
     alpha, beta, qp, kp, bias, L, HQ,
     PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KQ: tl.constexpr, OP_DT: tl.constexpr,
@@ -79,18 +106,10 @@ def tc_pair_forward(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KQ)
     used = kk < 2 * PAIRS
-    alphas = ()
-    betas = ()
-    for m in tl.static_range(PAIRS):
-        off = m * L * L + rows[:, None] * L + cols[None, :]
-        alphas = alphas + (tl.load(alpha + off).to(tl.float16),)  # noqa: RUF005
-        betas = betas + (tl.load(beta + off).to(tl.float16),)  # noqa: RUF005
+    alphas, betas = _tile_pairs(alpha, beta, rows, cols, L, PAIRS)
     for h in range(HQ):
         q = tl.load(qp + (h * L + rows[:, None]) * (2 * PAIRS) + kk[None, :], mask=used[None, :], other=0.0)
-        k_at = kp + (h * L + cols[None, :]) * (2 * PAIRS)  # [1, BN]
-        k = tl.load(k_at + kk[:, None], mask=used[:, None], other=0.0)  # (k1, k2) per pair
-        k_j = tl.load(k_at + (kk[:, None] ^ 1), mask=used[:, None], other=0.0)  # (k2, k1)
-        k_j = tl.where(kk[:, None] % 2 == 0, -k_j, k_j)  # (-k2, k1)
+        k, k_j = _key_slots(kp, h, cols, kk, used, L, PAIRS, False)  # [KQ, BN]
         q, k, k_j = q.to(OP_DT), k.to(OP_DT), k_j.to(OP_DT)
         e = tl.zeros((BM, BN), tl.float32)
         for m in tl.static_range(PAIRS):
@@ -116,27 +135,17 @@ def tc_pair_backward_q(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KQ)
     used = kk < 2 * PAIRS
-    alphas = ()
-    betas = ()
+    alphas, betas = _tile_pairs(alpha, beta, rows, cols, L, PAIRS)
     xs = ()
     ys = ()
-    for m in tl.static_range(PAIRS):
-        off = m * L * L + rows[:, None] * L + cols[None, :]
-        alphas = alphas + (tl.load(alpha + off).to(tl.float16),)  # noqa: RUF005
-        betas = betas + (tl.load(beta + off).to(tl.float16),)  # noqa: RUF005
+    for _m in tl.static_range(PAIRS):
         xs = xs + (tl.zeros((BM, BN), tl.float32),)  # noqa: RUF005
         ys = ys + (tl.zeros((BM, BN), tl.float32),)  # noqa: RUF005
     for h in range(HQ):
         ds = tl.load(dbias + (h * L + rows[:, None]) * L + cols[None, :])
         q = tl.load(qp + (h * L + rows[:, None]) * (2 * PAIRS) + kk[None, :], mask=used[None, :], other=0.0)
-        k_at = kp + (h * L + cols[None, :]) * (2 * PAIRS)  # [1, BN]: k as the forward's [KQ, BN]
-        k = tl.load(k_at + kk[:, None], mask=used[:, None], other=0.0)
-        k_j = tl.load(k_at + (kk[:, None] ^ 1), mask=used[:, None], other=0.0)
-        k_j = tl.where(kk[:, None] % 2 == 0, -k_j, k_j)  # (-k2, k1)
-        kr_at = kp + (h * L + cols[:, None]) * (2 * PAIRS)  # [BN, 1]: k as dq's [BN, KQ]
-        kr = tl.load(kr_at + kk[None, :], mask=used[None, :], other=0.0)
-        kr_j = tl.load(kr_at + (kk[None, :] ^ 1), mask=used[None, :], other=0.0)
-        kr_j = tl.where(kk[None, :] % 2 == 0, -kr_j, kr_j)
+        k, k_j = _key_slots(kp, h, cols, kk, used, L, PAIRS, False)  # [KQ, BN]: C and S
+        kr, kr_j = _key_slots(kp, h, cols, kk, used, L, PAIRS, True)  # [BN, KQ]: dq's sums
         q, k, k_j, kr, kr_j = q.to(OP_DT), k.to(OP_DT), k_j.to(OP_DT), kr.to(OP_DT), kr_j.to(OP_DT)
         dq_tile = tl.zeros((BM, KQ), tl.float32)
         new_x = ()
@@ -322,7 +331,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         h = r["head_loop"]
         lines.append(
-            f"| (b) {r['kernel']}, {r['tile']}, {r['warps']} warps | {r['pairs']} ({r['k_slots']}) | "
+            f"| (b) {r['kernel']}, {r['tile']}, {r['warps']} warp{'s' if r['warps'] > 1 else ''} | "
+            f"{r['pairs']} ({r['k_slots']}) | "
             f"{r['registers']} | {r['spill_bytes']:,} | {h['instructions']} / {h['barriers']} / "
             f"{h['shared']} / {h['global_loads']} / {h['spill']} | {r['per_element']:.2f} |"
         )

@@ -11,9 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
-
-from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
+from byte_model_fixtures import byte_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,25 +27,7 @@ def _launcher():
 def model_dir(tmp_path_factory):
     """A 64-position LLaDA-family export with a byte-level tokenizer (one token per byte, no BOS) and a
     plain chat template, so prompt lengths are known exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    out = tmp_path_factory.mktemp("model64")
-    torch.manual_seed(0)
-    config = preset(
-        "llada-tiny", max_seq_len=64, mdlmpe={"max_seq_len": 64}, vocab_size=512, mask_token_id=511,
-        eos_token_id=510, pad_token_id=510,
-    )  # fmt: skip
-    save_pretrained(DiffusionLM(config), out, config)
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|endoftext|>": 510, "<|mdm_mask|>": 511})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mdm_mask|>")
-    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    fast.save_pretrained(str(out))
-    return out
+    return byte_model_dir(tmp_path_factory.mktemp("model64"))
 
 
 @pytest.mark.parametrize(

@@ -372,18 +372,9 @@ def test_config_errors(kwargs, match):
 # ------------------------------------------------------------------------------------ launch/generate.py
 def _byte_tokenizer(path):
     """A byte-level tokenizer (256 byte tokens, no merges) with EOS 510 and mask 511, saved as an HF dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from byte_model_fixtures import byte_tokenizer
 
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|endoftext|>": 510, "<|mdm_mask|>": 511})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mdm_mask|>")
-    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    fast.save_pretrained(str(path))
-    return fast
+    return byte_tokenizer(path)
 
 
 def _load_launcher():

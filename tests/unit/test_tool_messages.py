@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from byte_model_fixtures import byte_model_dir
 
 from mdlmpe_ds.models import DiffusionLM, preset, save_pretrained
 
@@ -28,24 +29,7 @@ def _launcher(name: str):
 def model_dir(tmp_path_factory):
     """An export of a 64-position model with a byte-level tokenizer that fits its vocabulary (so the
     old code scored it without complaint)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    out = tmp_path_factory.mktemp("model64")
-    torch.manual_seed(0)
-    config = preset(
-        "llada-tiny", max_seq_len=64, mdlmpe={"max_seq_len": 64}, vocab_size=512, mask_token_id=511,
-        eos_token_id=510, pad_token_id=510,
-    )  # fmt: skip
-    save_pretrained(DiffusionLM(config), out, config)
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|endoftext|>": 510, "<|mdm_mask|>": 511})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mdm_mask|>")
-    fast.save_pretrained(str(out))
-    return out
+    return byte_model_dir(tmp_path_factory.mktemp("model64"), chat_template=None)
 
 
 def test_evaluate_refuses_windows_longer_than_the_model_was_trained_for(model_dir, tmp_path):
