@@ -105,6 +105,24 @@ def test_straight_equals_interrupted(lora_straight, sft_data, tmp_path):
     assert wrong.returncode != 0 and "resume it with --lora r=4,alpha=8" in wrong.stdout + wrong.stderr
 
 
+def test_a_forced_change_of_lora_alpha_resumes_and_trains(lora_straight, sft_data, tmp_path):
+    """Another alpha leaves the adapter tensors as they are: refused by default, naming the setting,
+    and --allow_config_change model.lora forces it (r or targets cannot be forced: the adapters
+    would not load). The forced run loads the checkpoint and trains on."""
+    out, half = tmp_path / "alpha", "step_000004"
+    shutil.copytree(lora_straight / "checkpoints" / half, out / "checkpoints" / half)
+    args = [*sft_data, *BASE_ARGS, "--lora", "r=4,alpha=16,dropout=0.05,targets=q,k,v,o,gate,up,down"]
+    args += ["--output_dir", str(out), "--resume", "auto"]
+    refused = launch(args)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "the LoRA settings differ: alpha 8.0 -> 16.0" in said, said[-3000:]
+    assert "--allow_config_change model.lora" in said
+    forced = launch([*args, "--allow_config_change", "model.lora", "--stop_at", "5"])
+    check(forced, "LoRA resumed with another alpha, forced")
+    assert "(forced by --allow_config_change)" in forced.stdout + forced.stderr
+    assert sorted(metrics(out)) == [5]
+
+
 def test_bf16_block_diffusion_without_checkpointing_resumes_exactly(sft_data, tmp_path):
     """bf16, block diffusion and no gradient checkpointing: the run resumed from the update-2
     checkpoint (copied into a fresh output_dir, so the preset's base is found through the run config)
