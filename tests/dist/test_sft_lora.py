@@ -120,7 +120,7 @@ def test_a_forced_change_of_lora_alpha_resumes_and_trains(lora_straight, sft_dat
     forced = launch([*args, "--allow_config_change", "model.lora", "--stop_at", "5"])
     check(forced, "LoRA resumed with another alpha, forced")
     assert "(forced by --allow_config_change)" in forced.stdout + forced.stderr
-    assert sorted(metrics(out)) == [5]
+    assert sorted(metrics(out, first=5)) == [5]  # the forced run trained update 5
 
 
 def test_bf16_block_diffusion_without_checkpointing_resumes_exactly(sft_data, tmp_path):
