@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.data.fingerprint import file_sha256
-from mdlmpe_ds.hub.resolve import resolve_model
+from mdlmpe_ds.hub.resolve import HubResolveError, resolve_model
 from mdlmpe_ds.lora.spec import BASE_FILE, CHECKPOINT_FILE
 from mdlmpe_ds.training import checkpoint as ckpt
 
@@ -180,8 +180,15 @@ def base_source(step_dir: Path, run_config: Mapping[str, Any]) -> Path:
     source = run_config["model"].get("model_name_or_path")
     if source is None:
         return find_base_file(step_dir, run_config)
-
-    return Path(resolve_model(source, run_config["model"].get("revision")))
+    try:
+        return Path(resolve_model(source, run_config["model"].get("revision")))
+    except (HubResolveError, OSError) as err:  # the resolver's words say nothing of LoRA
+        raise FileNotFoundError(
+            f"{step_dir} is a LoRA checkpoint: its adapters are merged onto (and resume on) the frozen "
+            f"base it was trained from, model_name_or_path {source!r}, which cannot be read now ({err}). "
+            "Put the base back at that path (a resume may instead name its new place with "
+            "--model_name_or_path); it must be the same model: the checkpoint records its identity"
+        ) from err
 
 
 def load_base_file(path: Path) -> dict[str, torch.Tensor]:

@@ -460,3 +460,18 @@ def test_a_partial_edit_of_a_pretrained_base_is_caught_and_old_records_still_mat
     big.write_bytes(bytes(blob))
     after = (ckpt.sampled_crc32(big), lora_base.spread_crc32(big, len(blob)))
     assert after[0] == before[0] and after[1] != before[1]
+
+
+def test_a_moved_pretrained_base_is_named_as_the_lora_runs_base(tmp_path, monkeypatch):
+    """Exporting a LoRA run whose base folder had moved gave the hub resolver's bare error, with no
+    word that it is the run's frozen base, needed to merge the adapters."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub id is looked up in the cache only
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    for gone in (str(tmp_path / "models" / "base"), "org-that/does-not-exist"):
+        config = {"model": {"model_name_or_path": gone, "revision": None}}
+        with pytest.raises(
+            FileNotFoundError, match=r"is a LoRA checkpoint: its adapters are merged onto"
+        ) as err:
+            lora_base.base_source(step, config)
+        assert repr(gone) in str(err.value) and "Put the base back" in str(err.value)
