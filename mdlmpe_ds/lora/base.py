@@ -13,12 +13,12 @@ Which identity: a preset's base file (written by us, at most a few hundred MB) b
 its bytes, i.e. its header (names, dtypes, shapes) and every tensor. A pretrained directory (16 GB
 for an 8B model: about a minute to hash in full at the 0.2-0.5 GB/s one core gives, on every resume
 and export) by the size, a sampled CRC-32 (head, middle, tail; ``checkpoint.sampled_crc32``) and a
-spread CRC-32 (``SPREAD_CHUNKS`` chunks of ``SPREAD_BYTES`` at even steps: 4 MiB per file,
-``spread_crc32``) of its config.json and every weight file. Another model, another revision or a
-re-converted copy changes every tensor; an edit of part of a shard is caught when it spans one
-step (a 5 GB shard: 5 MB; a probe's edit of 0.5 MB in a 39 MB shard passed the head/middle/tail
-samples alone). Checkpoints recorded before the spread digest existed are compared by what they
-recorded.
+spread digest (SHA-256 of ``SPREAD_CHUNKS`` chunks of ``SPREAD_BYTES`` at even steps: 4 MiB per
+file, ``store_integrity.sampled_content_hash``) of its config.json and every weight file. Another
+model, another revision or a re-converted copy changes every tensor; an edit of part of a shard is
+caught when it spans one step (a 5 GB shard: 5 MB; a probe's edit of 0.5 MB in a 39 MB shard
+passed the head/middle/tail samples alone). Checkpoints recorded before the spread digest existed
+are compared by what they recorded.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from mdlmpe_ds.data.fingerprint import file_sha256
+from mdlmpe_ds.data.store_integrity import sampled_content_hash
 from mdlmpe_ds.hub.resolve import HubResolveError, resolve_model
 from mdlmpe_ds.lora.spec import BASE_FILE, CHECKPOINT_FILE
 from mdlmpe_ds.training import checkpoint as ckpt
@@ -83,22 +83,9 @@ def adopt_base(source: Path, output_dir: str | Path, identity: dict[str, Any]) -
 IDENTITY_ATTR = "_lora_base_identity"  # set on the model by lora.attach, read by each checkpoint save
 
 
-#: The spread digest: this many chunks of SPREAD_BYTES at even steps through each file.
+#: The spread digest (``store_integrity.sampled_content_hash``, as token stores are checked): this
+#: many chunks of SPREAD_BYTES at even steps through each file.
 SPREAD_CHUNKS, SPREAD_BYTES = 1024, 4096
-
-
-def spread_crc32(path: Path, size: int) -> int:
-    """CRC-32 of ``SPREAD_CHUNKS`` chunks of ``SPREAD_BYTES`` at even steps from the start to the end
-    of ``path`` (the whole file when it is smaller than that): an edit spanning one step is seen."""
-    crc = 0
-    with open(path, "rb") as fh:
-        if size <= SPREAD_CHUNKS * SPREAD_BYTES:
-            return zlib.crc32(fh.read(), crc)
-        step = (size - SPREAD_BYTES) / (SPREAD_CHUNKS - 1)
-        for i in range(SPREAD_CHUNKS):
-            fh.seek(int(i * step))
-            crc = zlib.crc32(fh.read(SPREAD_BYTES), crc)
-    return crc
 
 
 def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:
@@ -111,7 +98,7 @@ def _directory_digest(directory: Path) -> dict[str, dict[str, int]]:
             out[name] = {
                 "size": size,
                 "crc32": ckpt.sampled_crc32(file, size),
-                "spread": spread_crc32(file, size),
+                "spread": sampled_content_hash(file, SPREAD_CHUNKS, SPREAD_BYTES),
             }
     return out
 

@@ -423,6 +423,7 @@ def test_a_partial_edit_of_a_pretrained_base_is_caught_and_old_records_still_mat
     """A probe changed 2,000 embedding rows in the middle of a shard, between the head/middle/tail
     samples, and the resume accepted the base. The spread digest sees an edit spanning one of its
     steps; a checkpoint recorded before it existed (size and crc32 only) is compared on those."""
+    from mdlmpe_ds.data.store_integrity import sampled_content_hash
     from mdlmpe_ds.models.hf_io import save_pretrained
     from mdlmpe_ds.training import checkpoint as ckpt
 
@@ -449,17 +450,27 @@ def test_a_partial_edit_of_a_pretrained_base_is_caught_and_old_records_still_mat
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="not the base this LoRA checkpoint was trained on"):
         lora_base.check_base_identity(step, base)
-    # a large file: an edit between the head/middle/tail samples changes the spread digest only
-    big = tmp_path / "big.bin"
-    blob = bytearray(8 * 2**20)
-    big.write_bytes(bytes(blob))
-    before = (ckpt.sampled_crc32(big), lora_base.spread_crc32(big, len(blob)))
+    # a large shard: an edit between the head/middle/tail samples changes the spread digest only,
+    # and the identity check (base_identity, as resume and export run it) refuses the base
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text("{}")
+    shard, blob = big / "model.safetensors", bytearray(8 * 2**20)
+    shard.write_bytes(bytes(blob))
+    big_step = tmp_path / "big_run" / "checkpoints" / "step_000002"
+    big_step.mkdir(parents=True)
+    recorded = lora_base.base_identity(big)
+    lora_checkpoints.write_checkpoint_meta(big_step, lora_spec.parse("r=4,targets=q,v"), [], recorded)
+    spread = (lora_base.SPREAD_CHUNKS, lora_base.SPREAD_BYTES)
+    before = (ckpt.sampled_crc32(shard), sampled_content_hash(shard, *spread))
     step_bytes = (len(blob) - lora_base.SPREAD_BYTES) / (lora_base.SPREAD_CHUNKS - 1)
     at = int(0.3 * len(blob))
     blob[at : at + int(step_bytes) + 1] = b"\x01" * (int(step_bytes) + 1)
-    big.write_bytes(bytes(blob))
-    after = (ckpt.sampled_crc32(big), lora_base.spread_crc32(big, len(blob)))
+    shard.write_bytes(bytes(blob))
+    after = (ckpt.sampled_crc32(shard), sampled_content_hash(shard, *spread))
     assert after[0] == before[0] and after[1] != before[1]
+    with pytest.raises(ValueError, match="not the base this LoRA checkpoint was trained on"):
+        lora_base.check_base_identity(big_step, big)
 
 
 def test_a_moved_pretrained_base_is_named_as_the_lora_runs_base(tmp_path, monkeypatch):
