@@ -44,6 +44,7 @@ import torch
 
 from mdlmpe_ds import compat
 from mdlmpe_ds.models.config import drop_stored_runtime_keys
+from mdlmpe_ds.training.weights_only import weights_saves
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -165,9 +166,9 @@ def _what_it_holds(path: Path) -> str:
             " (it is a peft adapter export, launch/export.py --adapter-only: load it onto the run's "
             "--base-only export with peft, or pass the LoRA run's directory or a merged export)"
         )
-    saves = sorted((path / "weights").glob("step_*/WEIGHTS.json")) if path.is_dir() else []
+    saves = weights_saves(path)
     if saves:
-        return f" (a weights-only save of a stopped run is at {saves[-1].parent}: pass that directory)"
+        return f" (a weights-only save of a stopped run is at {saves[-1]}: pass that directory)"
     return ""
 
 

@@ -28,8 +28,16 @@ import torch
 MARKER = "WEIGHTS.json"
 
 
+WEIGHTS = "weights"  # the folder of a run's output_dir that holds its weights-only saves
+
+
 def weights_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / "weights" / f"step_{step:06d}"
+    return Path(output_dir) / WEIGHTS / f"step_{step:06d}"
+
+
+def weights_saves(output_dir: str | Path) -> list[Path]:
+    """The complete weights-only saves of a run, oldest first."""
+    return sorted(p for p in (Path(output_dir) / WEIGHTS).glob("step_*") if is_weights_dir(p))
 
 
 def is_weights_dir(path: str | Path) -> bool:
