@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mdlmpe_ds.analysis.diagnostics import diagnose
+from mdlmpe_ds.analysis.diagnostics import run_checkpoint
 from mdlmpe_ds.analysis.figures import FIGURES, run_mechanism
 from mdlmpe_ds.training.log_setup import configure
 
@@ -125,34 +125,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         run_checkpoint(args)
     return 0
-
-
-def run_checkpoint(args: argparse.Namespace) -> list[Path]:
-    """The ``checkpoint`` command (diagnostics.run_checkpoint) with the probe's length checked once
-    the model is loaded, before anything runs."""
-    from mdlmpe_ds.evaluation.loading import load_model
-
-    model, _ = load_model(str(args.model), device=args.device, dtype=args.dtype)
-    check_probe_length(args, model.config.max_seq_len)
-    return diagnose(model, args, source=str(args.model))
-
-
-def check_probe_length(args: argparse.Namespace, limit: int) -> None:
-    """Refuse a probe longer than the model's max_seq_len, as launch/generate.py and evaluate.py do:
-    positions past it were never trained (no row of an absolute table, MDLMPE's L_ref), so the
-    figures would describe untrained positions."""
-    if args.prompt_ids:
-        count = len(args.prompt_ids.split(","))
-        if count > limit:
-            raise SystemExit(
-                f"--prompt-ids gives {count} ids, more than the maximum length {limit} of {args.model} "
-                f"(max_seq_len in its config): positions past it were never trained; give {limit} or fewer"
-            )
-    elif args.length > limit:
-        raise SystemExit(
-            f"--length {args.length} is longer than the maximum length {limit} of {args.model} (max_seq_len "
-            f"in its config): positions past it were never trained; use --length {limit} or less"
-        )
 
 
 if __name__ == "__main__":

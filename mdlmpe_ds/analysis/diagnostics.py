@@ -275,7 +275,26 @@ def run_checkpoint(args: argparse.Namespace) -> list[Path]:
     ``latest``: its newest complete checkpoint, consolidated in this process)."""
 
     model, _ = load_model(str(args.model), device=args.device, dtype=args.dtype)
+    check_probe_length(args, model.config.max_seq_len)  # before anything runs or is written
     return diagnose(model, args, source=str(args.model))
+
+
+def check_probe_length(args: argparse.Namespace, limit: int) -> None:
+    """Refuse a probe longer than the model's max_seq_len, as launch/generate.py and evaluate.py do:
+    positions past it were never trained (no row of an absolute table, MDLMPE's L_ref), so the
+    figures would describe untrained positions."""
+    if args.prompt_ids:
+        count = len(args.prompt_ids.split(","))
+        if count > limit:
+            raise SystemExit(
+                f"--prompt-ids gives {count} ids, more than the maximum length {limit} of {args.model} "
+                f"(max_seq_len in its config): positions past it were never trained; give {limit} or fewer"
+            )
+    elif args.length > limit:
+        raise SystemExit(
+            f"--length {args.length} is longer than the maximum length {limit} of {args.model} (max_seq_len "
+            f"in its config): positions past it were never trained; use --length {limit} or less"
+        )
 
 
 def diagnose(model: torch.nn.Module, args: argparse.Namespace, source: str) -> list[Path]:
