@@ -163,23 +163,6 @@ def check_length(seq_len: int | None, model, path: str) -> None:
         )
 
 
-def recorded_tokenizer(path: str) -> str | None:
-    """The tokenizer directory a model records, read without loading its weights: an export is its
-    own, a training run names it in its checkpoint's metadata. None where that cannot be told here
-    (a hub id, a damaged run: ``load_model`` reports those)."""
-    from mdlmpe_ds.evaluation.loading import is_hf_dir
-    from mdlmpe_ds.training.checkpoint import read_saved_run, resolve_checkpoint
-
-    if is_hf_dir(path):
-        return str(path)
-    if not Path(path).exists():
-        return None
-    try:
-        return read_saved_run(resolve_checkpoint(path, log=lambda _message: None)).tokenizer
-    except (OSError, ValueError):
-        return None
-
-
 def check_same_tokenizer(models: list[tuple[str, Any]]) -> None:
     """Refuse to pair models whose tokenizers differ: each model's windows are cut from its own
     token stream, so window i holds different text for each, and the paired difference (printed
@@ -201,7 +184,7 @@ def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
     import json
     from dataclasses import asdict
 
-    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer
+    from mdlmpe_ds.evaluation.loading import load_model, load_tokenizer, tokenizer_dir_of
     from mdlmpe_ds.experiments.layout_eval import (
         LayoutEvalSettings,
         corpus_batches,
@@ -211,16 +194,23 @@ def evaluate_layouts(args: argparse.Namespace, device: str) -> int:
     )
 
     names = [args.names[i] if args.names else Path(path).resolve().name for i, path in enumerate(args.models)]
-    recorded = [recorded_tokenizer(path) for path in args.models]
+    tokenizers: dict[str, Any] = {}  # each tokenizer directory read once
+
+    def tokenizer_at(directory: str) -> Any:
+        if directory not in tokenizers:
+            tokenizers[directory] = load_tokenizer(directory)
+        return tokenizers[directory]
+
+    recorded = [tokenizer_dir_of(path) for path in args.models]
     if len(recorded) > 1 and all(recorded):  # before minutes of loading weights
-        check_same_tokenizer([(name, load_tokenizer(d)) for name, d in zip(names, recorded)])
+        check_same_tokenizer([(name, tokenizer_at(d)) for name, d in zip(names, recorded)])
     models = []
     for name, path in zip(names, args.models):
         model, tok_dir = load_model(path, device=device, dtype=args.dtype)
         if tok_dir is None:
             raise SystemExit(f"{path}: no tokenizer recorded with this model")
         check_length(args.seq_len, model, path)
-        models.append((name, model, load_tokenizer(tok_dir)))
+        models.append((name, model, tokenizer_at(tok_dir)))
     check_same_tokenizer([(name, tokenizer) for name, _, tokenizer in models])  # hub ids: known only now
     settings = LayoutEvalSettings(
         seq_len=args.seq_len or models[0][1].config.max_seq_len,

@@ -49,6 +49,20 @@ def _from_training_run(path: Path) -> tuple[DiffusionLM, str | None]:
     return model, saved.tokenizer
 
 
+def tokenizer_dir_of(path: str | Path) -> str | None:
+    """The tokenizer directory ``load_model(path)`` will return, read without loading weights: an
+    export is its own, a training run names it in its checkpoint's metadata. None where that cannot
+    be told without loading (a hub id, a damaged run: ``load_model`` reports those)."""
+    if is_hf_dir(path):
+        return str(path)
+    if not Path(path).exists():
+        return None
+    try:
+        return ckpt.read_saved_run(ckpt.resolve_checkpoint(path, log=lambda _message: None)).tokenizer
+    except (OSError, ValueError):
+        return None
+
+
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32"
 ) -> tuple[DiffusionLM, str | None]:
