@@ -183,18 +183,11 @@ def model_family(run: Any) -> tuple[str | None, str]:
 def _config_json(name: str, revision: str | None) -> dict | None:
     """The parsed config.json of a local model directory or of a hub id already cached (no download)."""
     import json
-    from pathlib import Path
 
-    from mdlmpe_ds.hub.resolve import looks_like_hub_id
+    from mdlmpe_ds.hub.resolve import cached_config
 
-    file: Any = Path(name) / "config.json"
-    if looks_like_hub_id(name):
-        from huggingface_hub import try_to_load_from_cache
-
-        repo, _, pinned = name.partition("@")
-        file = try_to_load_from_cache(repo, "config.json", revision=revision or pinned or None)
-        file = Path(file) if isinstance(file, str) else None
-    if file is None or not file.is_file():
+    file = cached_config(name, revision)
+    if file is None:
         return None
     try:
         return json.loads(file.read_text())

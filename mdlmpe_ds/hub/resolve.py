@@ -132,6 +132,22 @@ def resolve(
     return _download(name, revision, patterns, False, what)
 
 
+def cached_config(name: str, revision: str | None = None) -> Path | None:
+    """``name``'s config.json without any download: in the local directory, or in the hub cache for
+    a hub id (``org/name[@rev]``); None when it is not there (e.g. a hub id not fetched yet)."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        if not looks_like_hub_id(name):
+            return None
+        repo, _, pinned = name.partition("@")
+        try:
+            path = _download(repo, revision or pinned or None, ["config.json"], True, "model")
+        except HubResolveError:
+            return None
+    file = path / "config.json"
+    return file if file.is_file() else None
+
+
 def resolve_model(name: str, revision: str | None = None) -> Path:
     return resolve(name, revision, "model")
 

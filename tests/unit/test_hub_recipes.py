@@ -174,6 +174,11 @@ def test_a_recipe_for_the_other_model_family_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--recipe llada-8b-sft is LLaDA's recipe"):
         _launcher("sft").main(["--recipe", "llada-8b-sft", "--dry-run", *flags])
     # A hub id that is not downloaded yet: the family is unknown here, so nothing is refused.
-    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *args, **kwargs: None)
+    from mdlmpe_ds.hub import resolve
+
+    def not_cached(*args, **kwargs):
+        raise resolve.HubResolveError("not in the local Hugging Face cache")
+
+    monkeypatch.setattr(resolve, "_download", not_cached)
     run = build_config(None, ["--model_name_or_path", "Dream-org/Dream-v0-Base-7B"])
     recipes.check_recipe_model("llada-8b-sft", run)
