@@ -56,9 +56,15 @@ EXPORT_PATTERNS = (
 )
 #: What an export is and where it came from ({"kind": ..., "checkpoint": ..., "step": ...}).
 EXPORT_MARKER = "mdlmpe_export.json"
-#: Export kinds: the merged (or full fine-tune) model, a LoRA run's base with its trained MDLMPE
-#: weights, and the peft adapter directory.
-EXPORT_KINDS = {"merged": "--merge (the default)", "base": "--base-only", "adapter": "--adapter-only"}
+#: Export kinds (what the refusal calls each, the export.py flag that writes it): the merged (or
+#: full fine-tune) model, a LoRA run's base with its trained MDLMPE weights, and the peft adapter
+#: directory. "model" is an earlier export without a marker: merged or base.
+EXPORT_KINDS = {
+    "merged": ("a merged model", "--merge (the default)"),
+    "base": ("a --base-only base", "--base-only"),
+    "adapter": ("a peft adapter", "--adapter-only"),
+}
+_UNMARKED_MODEL = "model"
 _STEP_NAME = re.compile(r"^step_\d{6,}")
 _STAGING_INFIX = ".exporting-"
 _ASIDE_INFIX = ".replaced-"
@@ -88,7 +94,7 @@ def existing_kind(out: Path) -> str | None:
                 return kind
     if (out / "adapter_config.json").is_file():
         return "adapter"
-    return "model" if (out / "config.json").is_file() else None
+    return _UNMARKED_MODEL if (out / "config.json").is_file() else None
 
 
 def write_marker(stage: Path, kind: str, checkpoint: str | Path, step: int) -> None:
@@ -100,16 +106,12 @@ def write_marker(stage: Path, kind: str, checkpoint: str | Path, step: int) -> N
 def _check_kind(out: Path, kind: str) -> None:
     """Refuse to replace an export of another kind (module doc)."""
     there = existing_kind(out)
-    if there is None or there == kind or (there == "model" and kind != "adapter"):
+    if there is None or there == kind or (there == _UNMARKED_MODEL and kind != "adapter"):
         return
-    names = {
-        "merged": "a merged model",
-        "base": "a --base-only base",
-        "adapter": "a peft adapter",
-        "model": "a model",
-    }
+    held = "a model" if there == _UNMARKED_MODEL else EXPORT_KINDS[there][0]
+    name, flag = EXPORT_KINDS[kind]
     raise ExportTargetError(
-        f"export target {out} holds {names[there]} export; writing {names[kind]} ({EXPORT_KINDS[kind]}) "
+        f"export target {out} holds {held} export; writing {name} ({flag}) "
         "there would delete it. Export each kind into its own directory (e.g. RUN/export, RUN/adapter, "
         "RUN/base), or remove the earlier export first if it is no longer needed"
     )
