@@ -216,18 +216,6 @@ def read_json(file: Path) -> Any:
         raise CheckpointError(f"{file}: not valid JSON ({err}); is the file truncated?") from err
 
 
-__all__ = [
-    "CONFIG_NAME",
-    "PROJECT_KEY",
-    "CheckpointError",
-    "config_from_hf_dict",
-    "detect_family",
-    "hf_config_dict",
-    "read_hf_config",
-    "read_json",
-]
-
-
 def tokenizer_load_options(directory: str | os.PathLike) -> dict[str, Any]:
     """Extra ``AutoTokenizer.from_pretrained`` arguments for ``directory``: a plain config when its
     config.json names a model type transformers does not know (LLaDA, our exports). Without it,
@@ -244,3 +232,16 @@ def tokenizer_load_options(directory: str | os.PathLike) -> dict[str, Any]:
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
     return {} if model_type in CONFIG_MAPPING else {"config": PretrainedConfig()}
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "PROJECT_KEY",
+    "CheckpointError",
+    "config_from_hf_dict",
+    "detect_family",
+    "hf_config_dict",
+    "read_hf_config",
+    "read_json",
+    "tokenizer_load_options",
+]
