@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import zipfile
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +57,7 @@ from mdlmpe_ds.data.sft_rows import (
     iter_rows,
     load_sft_rows,
     local_files,
+    local_selection,
     row_messages,
 )
 from mdlmpe_ds.seeding import mix_seed
@@ -85,6 +87,16 @@ class SFTDataStats:
     dropped: int = 0  # dropped: prompt alone does not fit, or overlong with overlong="drop"
     skip_reasons: dict[str, int] = field(default_factory=dict)
     special_text: int = 0  # rows quoting a special token's spelling, encoded as text (special_text.py)
+    # Token lengths of every (prompt, response) pair before any cut, for choosing max_len when many
+    # are dropped or cut (0: not known, a cache written before these were counted).
+    longest: int = 0
+    median_length: int = 0
+    shortest_cut: int = 0  # fewest response tokens a truncated example kept (0: none truncated)
+
+    @property
+    def candidates(self) -> int:
+        """Examples before the length cut: kept plus dropped as too long."""
+        return self.examples + self.dropped
 
     def summary(self) -> str:
         quoted = f", {self.special_text} quoting special tokens as text" if self.special_text else ""
@@ -205,6 +217,10 @@ def build_sft_dataset(
     if response_end == "eos" and not eos_token:
         raise ValueError("response_end='eos' needs a tokenizer with an eos_token")
 
+    selection = local_selection(source, split)  # the files read (and keyed), resolved once
+    files = None if selection is None else selection.files
+    if selection is not None and Path(selection.source).is_dir():
+        logger.info(selection.describe())
     cache_file = None
     if cache_dir is not None:
         settings = {
@@ -219,7 +235,7 @@ def build_sft_dataset(
             "template": template.name,
             "seed": seed,
         }
-        cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings, split)}.npz"
+        cache_file = Path(cache_dir) / f"sft-{_cache_key(source, tokenizer, settings, split, files)}.npz"
         if cache_file.is_file():
             try:
                 dataset, stats = _load_cache(cache_file)
@@ -230,6 +246,7 @@ def build_sft_dataset(
                 return dataset, stats
 
     stats = SFTDataStats()
+    full_lengths = array("q")  # prompt + response tokens of each pair, before any cut
     reasons: Counter[str] = Counter()
     kept_ids: list[np.ndarray] = []
     kept_prompt_lens: list[int] = []
@@ -238,6 +255,7 @@ def build_sft_dataset(
 
     def keep(p_ids: list[int], r_ids: list[int]) -> None:
         """One tokenised (prompt, response): kept, truncated or dropped by ``max_len``."""
+        full_lengths.append(len(p_ids) + len(r_ids))
         if len(p_ids) >= max_len:
             stats.dropped += 1
             return
@@ -247,6 +265,7 @@ def build_sft_dataset(
                 return
             r_ids = r_ids[: max_len - len(p_ids)]
             stats.truncated += 1
+            stats.shortest_cut = min(stats.shortest_cut or len(r_ids), len(r_ids))
         kept_ids.append(np.asarray(p_ids + r_ids, dtype=np.int32))
         kept_prompt_lens.append(len(p_ids))
 
@@ -260,7 +279,7 @@ def build_sft_dataset(
             keep(p_ids, r_ids)
         pending.clear()
 
-    for index, (origin, origin_row, row) in enumerate(iter_rows(source, split)):
+    for index, (origin, origin_row, row) in enumerate(iter_rows(source, split, files)):
         if max_rows is not None and index >= max_rows:
             break
         stop_request.poll(f"tokenising {source} (row {index})")  # Ctrl-C / SIGTERM stop here
@@ -308,6 +327,8 @@ def build_sft_dataset(
     dataset._set(kept_ids, kept_prompt_lens)
     stats.examples = len(dataset)
     stats.skip_reasons = dict(reasons)
+    if full_lengths:
+        stats.longest, stats.median_length = max(full_lengths), int(np.median(full_lengths))
     logger.info("SFT data %s (template %s, max_len %d): %s", source, template.name, max_len, stats.summary())
     if cache_file is not None:
         _save_cache(cache_file, dataset, stats)
@@ -323,16 +344,22 @@ class SFTCacheError(ValueError):
     """A tokenised-SFT cache file that cannot be read (truncated, damaged); names the file."""
 
 
-def _cache_key(source: str | Path, tokenizer: Any, settings: dict[str, Any], split: str = "train") -> str:
+def _cache_key(
+    source: str | Path,
+    tokenizer: Any,
+    settings: dict[str, Any],
+    split: str = "train",
+    files: list[Path] | None = None,
+) -> str:
     """sha256 over the source identity, the tokenizer (vocabulary, merges, template) and the settings.
 
     A local file is identified by resolved path and the SHA-256 of its bytes (content, not names: an
     edit in place that keeps the size and the mtime gives another key); a local dataset directory
-    likewise by each of its files of the split (``sft_rows.local_files``); a hub dataset by its name,
-    split and the ``datasets`` fingerprint of the split (derived from the revision resolved: a new
-    upload gives another key).
+    likewise by each of its files of the split (``sft_rows.local_files``, or ``files`` when the caller
+    resolved them: the very list it reads); a hub dataset by its name, split and the ``datasets``
+    fingerprint of the split (derived from the revision resolved: a new upload gives another key).
     """
-    files = local_files(source, split)
+    files = local_files(source, split) if files is None else files
     if files is not None:  # a local file, or a local directory's files of the split: by content
         ident: dict[str, Any] = {"split": split, "files": {str(f.resolve()): file_sha256(f) for f in files}}
     else:

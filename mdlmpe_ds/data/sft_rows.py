@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -197,55 +198,179 @@ class Located(NamedTuple):
     row: Any
 
 
-def local_data_files(directory: str | Path, split: str, config: str | None = None) -> list[Path]:
-    """The files of ``split`` (of ``config``) in a local dataset directory, as ``datasets`` picks them
-    (a hub-shaped README's ``configs``, else its split patterns: "train*" files for train, every
-    file when no name says a split); each must be .json, .jsonl or .parquet.
+DEFAULT_SPLIT = "train"  # the split of a single file; --dataset_split's default
+#: Row formats this reader does not take: a directory file of one of these is refused by name, since
+#: it most likely holds training rows. Other files (notes.md, LICENSE) are named in the log as not read.
+UNREAD_ROW_FORMATS = (".csv", ".tsv", ".arrow", ".feather", ".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+NAMED_FILES = 20  # files named one by one in the log line of a directory; the rest are counted
+
+
+class LocalFiles(NamedTuple):
+    """The local files a source names for one split, and what else a directory holds: the log line
+    names them all, so no file of the directory is left out without a word."""
+
+    source: str
+    split: str
+    files: list[Path]  # read, in this order
+    other_splits: dict[str, list[Path]]  # a directory's files of the other splits
+    not_read: list[Path]  # a directory's files that are not SFT data (notes, licences)
+
+    def describe(self) -> str:
+        """One log line: the files read, then those of other splits and those not read."""
+        root = Path(self.source) if Path(self.source).is_dir() else Path(self.source).parent
+        parts = [f"split {self.split!r} reads {_named(self.files, root)}"]
+        parts += [f"split {s!r} (not read): {_named(f, root)}" for s, f in sorted(self.other_splits.items())]
+        if self.not_read:
+            parts.append(f"not .json/.jsonl/.parquet (not read): {_named(self.not_read, root)}")
+        return f"SFT data {self.source}: " + "; ".join(parts)
+
+
+def _named(paths: Sequence[Path], root: Path) -> str:
+    """'3 files: a.jsonl, b.jsonl, c.parquet' relative to ``root``, the first ``NAMED_FILES`` named."""
+    names = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in paths]
+    more = f", and {len(names) - NAMED_FILES} more" if len(names) > NAMED_FILES else ""
+    return f"{len(names)} file{'s' * (len(names) != 1)}: {', '.join(names[:NAMED_FILES])}{more}"
+
+
+def _has_card_configs(directory: str) -> bool:
+    """True when the directory's README (or .huggingface.yaml) lists ``configs``: that listing is the
+    author's explicit choice of files per config and split, and is followed as ``datasets`` reads it."""
+    import datasets
+
+    module = datasets.load.dataset_module_factory(directory)
+    return bool(module.builder_configs_parameters.metadata_configs)
+
+
+def _card_splits(directory: str, config: str | None) -> dict[str, list[Path]]:
+    """split -> files of a directory whose card lists configs (or a config is named), as ``datasets``
+    resolves them (every data format the patterns match; none is dropped for another)."""
+    import datasets
+
+    data_files = datasets.load_dataset_builder(directory, config).config.data_files or {}
+    return {str(k): sorted(Path(f) for f in v) for k, v in data_files.items()}
+
+
+def _pattern_splits(directory: str) -> tuple[dict[str, list[Path]], list[Path]]:
+    """(split -> files, every file) of a directory without a card's configs, by ``datasets``' own
+    split-name patterns (train*/test*/validation* names or folders, data/train-00000-of-00001.*;
+    every file is train when no name says a split).
+
+    Why not the builder's ``data_files``: ``datasets`` then keeps only the directory's most common
+    format, so a.jsonl beside b.parquet was never read and nothing said so."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    resolve = partial(DataFilesDict.from_patterns, base_path=directory)
+    splits = resolve(get_data_patterns(directory))
+    every = resolve({"all": ["**"]})["all"]
+    return {str(k): sorted(Path(f) for f in v) for k, v in splits.items()}, sorted(Path(f) for f in every)
+
+
+def _readable(path: Path) -> bool:
+    return path.suffix.lower() in LOCAL_FORMATS
+
+
+def _row_format(path: Path) -> bool:
+    return path.suffix.lower() in UNREAD_ROW_FORMATS
+
+
+def _unassigned(directory: str, splits: dict[str, list[Path]], every: list[Path]) -> list[Path]:
+    """The directory's files that no split takes (notes, licences: named in the log as not read).
+    A file of rows among them (more_chats.jsonl beside train.jsonl and test.jsonl) no run would ever
+    read, so it is refused by name rather than trained without."""
+    assigned = {f for files in splits.values() for f in files}
+    unassigned = [f for f in every if f not in assigned]
+    orphans = [f for f in unassigned if _readable(f) or _row_format(f)]
+    if orphans:
+        names = ", ".join(str(f.relative_to(directory)) for f in orphans)
+        one = len(orphans) == 1
+        raise SFTDataError(
+            f"{directory}: {names} {'belongs' if one else 'belong'} to no split: the other files' "
+            f"names set the splits ({', '.join(sorted(splits))}), so no run would read "
+            f"{'it' if one else 'them'}. Rename each to carry its split (e.g. train_more_chats.jsonl) "
+            "or move it out of the directory"
+        )
+    return unassigned
+
+
+def local_data_files(directory: str | Path, split: str, config: str | None = None) -> LocalFiles:
+    """The files of ``split`` (of ``config``) in a local dataset directory, and what else it holds.
+
+    The split follows ``datasets``: a card's (README) ``configs`` listing, else its split-name
+    patterns (every file trains when no name says a split). Unlike ``datasets``, no file is dropped
+    without a word: every .json/.jsonl/.parquet file of the split is read whatever the others'
+    format; a file of rows that no split takes, or of a format this reader does not take, is refused
+    by name; other files (notes.md) are named in the log line (``LocalFiles.describe``).
 
     Why not ``datasets.load_dataset(directory)``: its JSON reader coerces a row whose field has
     another type than the shard's first rows (a content of 5 among strings) by JSON-encoding the
     whole shard's values, so every row of that shard trains on quoted text, and a line that is not
     JSON fails the build naming no file or line. Read file by file here, a bad row is named."""
-    import datasets
-
+    directory = Path(directory).expanduser().resolve().as_posix()
     try:
-        data_files = datasets.load_dataset_builder(str(directory), config).config.data_files or {}
+        if config is not None or _has_card_configs(directory):
+            splits, every = _card_splits(directory, config), []
+        else:
+            splits, every = _pattern_splits(directory)
     except (FileNotFoundError, ValueError) as e:
         raise SFTDataError(f"{directory}: not a readable dataset directory ({e})") from None
-    if split not in data_files:
-        found = ", ".join(sorted(str(k) for k in data_files)) or "none"
+    if split not in splits:
+        found = ", ".join(sorted(splits)) or "none"
         raise SFTDataError(
             f"{directory}: no files of split {split!r} in the directory (splits found: {found})"
         )
-    paths = sorted(Path(f) for f in data_files[split])
-    unsupported = [p for p in paths if p.suffix.lower() not in LOCAL_FORMATS]
-    if unsupported:
+    unassigned = _unassigned(directory, splits, every)
+    chosen = splits[split]
+    refused = [p for p in chosen if _row_format(p) or not any(map(_readable, chosen))]
+    if refused:
+        names = ", ".join(str(p.relative_to(directory)) for p in refused)
         raise SFTDataError(
-            f"{directory}: unsupported SFT file type in the directory: {unsupported[0]} "
-            "(use .json, .jsonl or .parquet files)"
+            f"{directory}: unsupported SFT file type in the directory: {names} "
+            "(use .json, .jsonl or .parquet files, or move these out of the directory)"
         )
-    return paths
+    others = {s: files for s, files in splits.items() if s != split}
+    not_read = sorted([p for p in chosen if not _readable(p)] + unassigned)
+    return LocalFiles(directory, split, [p for p in chosen if _readable(p)], others, not_read)
+
+
+def local_selection(source: str | Path, split: str) -> LocalFiles | None:
+    """What ``source`` names for ``split``: a .json/.jsonl/.parquet file itself, or a local directory's
+    files (``local_data_files``; "DIR:all" names config "all" of it); None for a hub dataset.
+
+    A single file has no splits: a ``split`` other than the default is refused naming the file and
+    the flag, since reading the whole file as "validation" would train on rows the user meant to
+    hold out (``datasets`` would call any split of one file by the name asked)."""
+    source = str(source)
+    name, config = split_dataset_name(source)
+    if Path(name).is_dir():
+        return local_data_files(name, split, config)
+    if _local_format(source) is None:
+        return None
+    if split != DEFAULT_SPLIT:
+        raise SFTDataError(
+            f"{source}: --dataset_split {split!r} (data.split) cannot apply to a single file: it has "
+            f"no splits, all its rows are split {DEFAULT_SPLIT!r}. Leave --dataset_split at "
+            f"{DEFAULT_SPLIT!r} to train on this file, or name a directory whose file names carry "
+            f"the split (e.g. {split}.jsonl) or a hub dataset with that split"
+        )
+    return LocalFiles(source, split, [Path(source)], {}, [])
 
 
 def local_files(source: str | Path, split: str) -> list[Path] | None:
-    """The local files ``source`` names for ``split``: itself (a .json/.jsonl/.parquet file), or a
-    local directory's (``local_data_files``; "DIR:all" names config "all" of it); None for a hub
-    dataset."""
-    name, config = split_dataset_name(str(source))
-    if Path(name).is_dir():
-        return local_data_files(name, split, config)
-    return [Path(source)] if _local_format(str(source)) is not None else None
+    """The local files read for ``split`` of ``source`` (``local_selection``); None for a hub dataset."""
+    selection = local_selection(source, split)
+    return None if selection is None else selection.files
 
 
-def iter_rows(source: str | Path, split: str) -> Iterator[Located]:
+def iter_rows(source: str | Path, split: str, files: Sequence[Path] | None = None) -> Iterator[Located]:
     """Rows of ``source`` with their origin: local JSON files through ``_json_rows``, local parquet
     through ``datasets`` one file at a time, a local directory file by file (``local_data_files``),
-    a hub dataset through ``datasets``.
+    a hub dataset through ``datasets``. ``files``: ``local_files(source, split)`` when the caller
+    already has it (the files it keyed its cache by are then exactly the files read).
 
     A local file of 0 bytes is an error naming it (``datasets`` gives "generator raised
     StopIteration" for it)."""
     source = str(source)
-    files = local_files(source, split)
+    files = local_files(source, split) if files is None else files
     if files is None:
         for index, row in enumerate(load_sft_rows(source, split)):
             yield Located(source, index, row)

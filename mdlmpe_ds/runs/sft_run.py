@@ -13,7 +13,7 @@ from mdlmpe_ds.data.assets import ensure_assets
 from mdlmpe_ds.data.fingerprint import sft_fingerprint
 from mdlmpe_ds.data.sampler import LengthGroupedSampler
 from mdlmpe_ds.data.sft_collate import SFTCollator
-from mdlmpe_ds.data.sft_encode import build_sft_dataset, eos_pad_id
+from mdlmpe_ds.data.sft_encode import SFTDataStats, build_sft_dataset, eos_pad_id
 from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.runs.assembly import RunData, RunInputs, RunKind, assemble_and_train, run_inputs, store_dir
 from mdlmpe_ds.runs.common import assert_same_on_all_ranks, rank_zero_first
@@ -69,10 +69,68 @@ def build_sft_data(run: RunConfig, source: str, tokenizer, family: str):
     )
     fingerprint = sft_fingerprint(dataset, tokenizer)  # one digest: ranks agree, the checkpoint matches
     assert_same_on_all_ranks(fingerprint, f"{source}: the ranks built different SFT datasets")
-    log.info(f"data {source}: {stats.summary()}")
     if len(dataset) == 0:
-        raise ValueError(f"{source}: no usable SFT examples")
+        raise ValueError(no_examples_message(source, stats, d.max_len))
+    losses = length_losses(stats, d.max_len)
+    if losses:
+        log.warning(f"data {source}: {stats.summary()}: {losses}")
+    else:
+        log.info(f"data {source}: {stats.summary()}")
     return dataset, fingerprint
+
+
+#: The share of examples dropped or cut for length above which the run warns: a few long outliers
+#: are normal, but past this max_len is likely too small for the data (or the data not the one meant).
+LARGE_LENGTH_LOSS = 0.1
+
+
+def _lengths(stats: SFTDataStats, max_len: int) -> str:
+    """The lengths to choose ``max_len`` by, and the flag: 'the longest example is 95 tokens, the
+    median 40: raise --max_len (data.max_len, now 16; 95 keeps every example whole)'."""
+    if not stats.longest:  # a cache written before lengths were counted
+        return f"raise --max_len (data.max_len, now {max_len})"
+    return (
+        f"the longest example is {stats.longest} tokens, the median {stats.median_length}: raise "
+        f"--max_len (data.max_len, now {max_len}; {stats.longest} keeps every example whole)"
+    )
+
+
+def length_losses(stats: SFTDataStats, max_len: int) -> str | None:
+    """Why a large share of the examples is dropped or cut at ``max_len``, with the counts, or None.
+
+    A truncated answer loses its end of turn (the model learns answers that never end) and a dropped
+    example is lost data: past ``LARGE_LENGTH_LOSS`` this is a warning, not a count in an INFO line."""
+    lost = stats.dropped + stats.truncated
+    if not stats.candidates or lost < LARGE_LENGTH_LOSS * stats.candidates:
+        return None
+    parts = []
+    if stats.dropped:
+        fills = f"the prompt alone fills --max_len {max_len}"
+        parts.append(f"{stats.dropped} of {stats.candidates} examples dropped: {fills}")
+    if stats.truncated:
+        n = stats.shortest_cut
+        shortest = f" (to as few as {n} answer token{'s' * (n != 1)})" if n else ""
+        parts.append(
+            f"{stats.truncated} of {stats.candidates} answers cut at --max_len {max_len}{shortest}, "
+            "without their end of turn"
+        )
+    return "; ".join(parts) + f"; {_lengths(stats, max_len)}"
+
+
+def no_examples_message(source: str, stats: SFTDataStats, max_len: int) -> str:
+    """Why ``source`` gave no example: every row skipped as malformed, or every example too long."""
+    if stats.dropped:
+        skipped = f", {stats.skipped} malformed rows skipped" if stats.skipped else ""
+        return (
+            f"{source}: no usable SFT examples: all {stats.dropped} examples ({stats.rows} rows{skipped}) "
+            f"were dropped as too long, their prompts alone fill --max_len {max_len}; "
+            f"{_lengths(stats, max_len)}"
+        )
+    reasons = ", ".join(f"{k} ({n})" for k, n in sorted(stats.skip_reasons.items(), key=lambda kv: -kv[1]))
+    return (
+        f"{source}: no usable SFT examples: all {stats.rows} rows were malformed and skipped "
+        f"(--skip_malformed true){f': {reasons}' if reasons else ''}"
+    )
 
 
 def sft_inputs(run: RunConfig) -> RunInputs:
