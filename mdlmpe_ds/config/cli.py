@@ -279,7 +279,8 @@ def _add_run_flags(parser: ArgumentParser, recipes: list[str]) -> None:
         default=[],
         metavar="KEY[,KEY...]",
         help="on resume, continue although KEY differs from the checkpoint's run config where "
-        "docs/resume.md refuses the change (repeatable)",
+        "docs/resume.md refuses the change (repeatable); the keys it says cannot be forced "
+        "(precision, micro_batch_size, seed, LoRA r/targets) stay refused",
     )
     parser.add_argument(
         "--recipe",

@@ -176,7 +176,12 @@ class OptimConfig:
     warmup_steps: int | None = doc(None, "warmup updates (overrides warmup_ratio)")
     cosine: bool = doc(True, "cosine decay after warmup (false: constant)")
     min_lr_ratio: float = doc(0.1, "cosine floor as a fraction of lr")
-    clip: float = doc(1.0, "gradient-norm clipping threshold")
+    clip: float = doc(
+        1.0,
+        "gradient-norm clipping threshold (DeepSpeed's gradient_clipping); 0 turns clipping off, as "
+        "HF's max_grad_norm=0 does (the grad norm is still logged, and a non-finite one still skips "
+        "the update)",
+    )
 
 
 @dataclass
@@ -214,7 +219,12 @@ class TrainConfig:
         f"what a stopped run (SIGTERM/SIGINT, lost launcher) writes, one of {SAVE_ON_SIGNAL}: a full "
         "resumable checkpoint, the model weights only (exportable, never resumed; docs/resume.md) or nothing",
     )
-    log_every: int = doc(1, "log metrics every N updates")
+    log_every: int = doc(
+        1,
+        "compute and log the MDLMPE statistics (gate gamma, phase |delta| per layer; they gather "
+        "the MDLMPE weights on every rank) every N updates and after the last; loss, lr, grad norm "
+        "and the other metrics go to TensorBoard and metrics.jsonl every update",
+    )
     loss: str = doc(
         "auto",
         f"loss family, one of {LOSS_FAMILIES}: 'auto' follows the model (LLaDA: 1/p weighted, "
@@ -334,8 +344,8 @@ class RunConfig:
             raise bad("optim.warmup_steps", o.warmup_steps, "must be >= 0")
         if not 0 <= o.min_lr_ratio <= 1:
             raise bad("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-        if not o.clip > 0:
-            raise bad("optim.clip", o.clip, "must be > 0")
+        if not o.clip >= 0:
+            raise bad("optim.clip", o.clip, "must be >= 0 (0 turns gradient clipping off)")
         for key in ("micro_batch_size", "grad_accum", "save_every", "keep_last", "log_every"):
             if getattr(t, key) < 1:
                 raise bad(f"train.{key}", getattr(t, key), "must be >= 1")

@@ -80,6 +80,52 @@ def _explicit(value: Any) -> bool:
     return value is not None and value != "auto"
 
 
+#: What the training config's side of a mismatch means, where a number alone does not say it.
+_AGREE_HINTS = {
+    "gradient_clipping": "; optim.clip 0 (--clip 0) turns clipping off, as gradient_clipping 0 does",
+}
+
+#: DeepSpeed's Adam parameters that change the algorithm away from the AdamW this trainer runs
+#: (deepspeed/runtime/engine.py:_configure_basic_optimizer, get_optimizer_configuration): key ->
+#: (the value AdamW needs, what another value trains). DeepSpeed reads them by truthiness, and
+#: "adam_w_mode": false under "type": "Adam" picks torch.optim.Adam / FusedAdam / CPUAdam in L2
+#: mode (weight decay added to the gradient), which trains without a word otherwise.
+ADAMW_PARAMS: dict[str, tuple[bool, str]] = {
+    "adam_w_mode": (True, "Adam with L2 weight decay (added to the gradient, then scaled by Adam)"),
+    "amsgrad": (False, "AMSGrad (a running maximum of the second moment)"),
+    "bias_correction": (True, "Adam without bias correction of the moments"),
+    "maximize": (False, "gradient ascent"),
+}
+
+
+def check_adamw_params(path: str | Path, kind: Any, params: dict[str, Any]) -> None:
+    """Refuse, naming the key and its value, a ds config's optimizer parameter that would make
+    DeepSpeed train another algorithm than AdamW with decoupled weight decay (ADAMW_PARAMS)."""
+    for key in ADAMW_PARAMS:
+        problem = _adamw_param_problem(key, params[key], kind) if key in params else None
+        if problem:
+            raise ValueError(
+                f"{path}: optimizer.params.{key}={json.dumps(params[key])} {problem}; remove the key "
+                f"or set it to {json.dumps(ADAMW_PARAMS[key][0])}"
+            )
+
+
+def _adamw_param_problem(key: str, given: Any, kind: Any) -> str | None:
+    """Why ``given`` is refused (None: it is AdamW's value). A non-boolean (the string "false",
+    which DeepSpeed reads as true) would not mean what it says. Under "type": "AdamW" DeepSpeed
+    ignores adam_w_mode, but a false one still says the user meant Adam: refused as well."""
+    needed, other = ADAMW_PARAMS[key]
+    if not isinstance(given, bool):
+        return "must be true or false (a JSON boolean: DeepSpeed reads any other value by its truthiness)"
+    if given == needed:
+        return None
+    if key == "adam_w_mode" and str(kind).lower() == "adamw":
+        what = f"asks for {other}, which contradicts optimizer.type {kind!r} (DeepSpeed ignores it there)"
+    else:
+        what = f"(optimizer.type {kind!r}) trains {other}"
+    return f"{what}; this trainer's optimizer is AdamW with decoupled weight decay (optim.weight_decay)"
+
+
 def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str, Any]:
     """Read the ds config, check it against the training config and fill its "auto" values.
 
@@ -113,6 +159,7 @@ def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str,
             raise ValueError(
                 f"batch/optimizer mismatch: {path} sets {key}={given} but the training config gives "
                 f'{train_key[key]} = {value}; make them agree (or set {key} to "auto" in {path})'
+                f"{_AGREE_HINTS.get(key, '')}"
             )
         ds[key] = value
     stage = ds.get("zero_optimization", {}).get("stage")
@@ -122,6 +169,7 @@ def prepare_ds_config(path: str | Path, run: RunConfig, world: int) -> dict[str,
     if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
         raise ValueError(f"{path}: optimizer.type must be AdamW, got {opt.get('type')!r}")
     params = opt.setdefault("params", {})
+    check_adamw_params(path, opt.get("type"), params)
     for key, value in {
         "lr": run.lr,
         "betas": list(o.betas),

@@ -13,7 +13,8 @@ any data or engine work. Every changed key falls into one of four kinds:
   dataset or model directory resumes, and other content is refused there by name;
 - ``refused``: it changes what the run trains (objective, corruption, batch arithmetic, data order,
   precision); refused naming the key, unless ``--allow_config_change KEY`` forces it (then the new
-  value is used and the change is logged as forced).
+  value is used and the change is logged as forced). ``NEVER_FORCED`` keys cannot be forced: the
+  checkpoint would not load, or the sampler could not continue at its position.
 
 A key whose value may be "auto" (``RESOLVED_KEYS``: train.precision) is compared by what it
 resolved to on each side when both are known (the checkpoint records it in config.json's
@@ -35,8 +36,11 @@ from typing import Any
 from mdlmpe_ds.config.cli import canonical_key
 
 APPLIED, RUNTIME, CHECKED, REFUSED = "applied", "runtime", "checked", "refused"
-#: Refused keys that --allow_config_change cannot force: the checkpoint could not be loaded at all.
-NEVER_FORCED = ("model.lora", "train.precision")
+#: Refused keys that --allow_config_change cannot force: the checkpoint could not be loaded at all
+#: (LoRA shapes, precision), or the sampler could not continue at its position
+#: (data/sampler.py:load_state_dict refuses another micro_batch_size or seed once the engine is
+#: built, minutes later on a large model: refused here instead, before any data or engine work).
+NEVER_FORCED = ("model.lora", "train.precision", "train.micro_batch_size", "train.seed")
 #: Keys that may say "auto": compared by what they resolved to (the machine, the ds config).
 RESOLVED_KEYS = ("train.precision",)
 AUTO = "auto"
@@ -48,6 +52,8 @@ _DATA = "compared through the data fingerprint (--allow_data_change true to cont
 _WHERE = "where files go or how long to wait; the numbers do not change"
 _SCHEDULE = "the lr schedule is rebuilt with it and continues at the resumed update"
 _PRECISION = "DeepSpeed's optimizer state differs between fp32 and bf16"
+_MICRO_BATCH = "the sampler position counts micro-batches of the saved size"
+_SEED = "decides the data order and every noise draw"
 
 #: key -> (kind, what happens). Keys of model.mdlmpe are listed one by one.
 RESUME_CHANGES: dict[str, tuple[str, str]] = {
@@ -106,12 +112,18 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
     "optim.cosine": (APPLIED, _SCHEDULE),
     "optim.min_lr_ratio": (APPLIED, _SCHEDULE),
     "optim.clip": (APPLIED, "DeepSpeed's gradient_clipping, read at every step"),
-    "train.micro_batch_size": (REFUSED, "the sampler position counts micro-batches of the saved size"),
+    "train.micro_batch_size": (
+        REFUSED,
+        _MICRO_BATCH + " (never forced); train.grad_accum may be forced to change the global batch",
+    ),
     "train.grad_accum": (REFUSED, "the sampler position and the noise stream count micro-batches"),
     "train.max_steps": (APPLIED, "the new total: the lr cosine and the head schedule stretch to it"),
     "train.epochs": (APPLIED, "the new total: the lr cosine and the head schedule stretch to it"),
     "train.stop_at": (APPLIED, "this job's stopping update"),
-    "train.seed": (REFUSED, "decides the data order and every noise draw"),
+    "train.seed": (
+        REFUSED,
+        _SEED + " (never forced): the sampler position is a place in the saved seed's order",
+    ),
     "train.save_every": (APPLIED, "checkpoint cadence"),
     "train.keep_last": (APPLIED, "checkpoints kept"),
     "train.output_dir": (RUNTIME, _WHERE + "; a copied run resumes"),
@@ -119,7 +131,10 @@ RESUME_CHANGES: dict[str, tuple[str, str]] = {
     "train.allow_data_change": (RUNTIME, "this job's permission"),
     "train.orphan_grace_s": (RUNTIME, _WHERE),
     "train.save_on_signal": (RUNTIME, "what this job writes when it is stopped"),
-    "train.log_every": (APPLIED, "logging cadence"),
+    "train.log_every": (
+        APPLIED,
+        "cadence of the MDLMPE gamma and phase delta statistics (the other metrics: every update)",
+    ),
     "train.loss": (REFUSED, "changes the objective"),
     "train.dream_weighting": (REFUSED, "changes the objective"),
     "train.cart_p": (REFUSED, "changes the objective"),
@@ -308,9 +323,35 @@ def _why(change: Change) -> str:
     if change.key == "train.precision":  # the checkpoint's precision, whatever "auto" means here
         saved = change.resolved[0] if change.resolved else change.before
         return f"{_PRECISION}; cannot be forced: resume with --precision {saved}"
+    if change.key in _SAMPLER_KEYS:
+        return _SAMPLER_KEYS[change.key](change)
     if change.key in NEVER_FORCED:
         return RESUME_CHANGES[change.key][1] + "; cannot be forced"
     return RESUME_CHANGES.get(change.key, (REFUSED, "a key this version does not know"))[1]
+
+
+def _why_micro_batch(change: Change) -> str:
+    """The sampler would refuse the position after the engine is built; say what can change the
+    batch instead: grad_accum, whose change the sampler accepts (it counts micro-batches)."""
+    return (
+        f"{_MICRO_BATCH}, so it cannot continue at another size; cannot be forced: resume with "
+        f"--micro_batch_size {change.before}. To change the sequences per update, change --grad_accum "
+        "instead (forced with --allow_config_change train.grad_accum), or export the checkpoint "
+        "(launch/export.py) and start a new run from the export"
+    )
+
+
+def _why_seed(change: Change) -> str:
+    """The sampler's position only means something in the saved seed's order."""
+    return (
+        f"{_SEED}; the sampler position is a place in the saved seed's order, so it cannot continue "
+        f"in another; cannot be forced: resume with --seed {change.before}, or export the checkpoint "
+        "(launch/export.py) and start a new run from the export with the new seed"
+    )
+
+
+#: NEVER_FORCED keys that the sampler's position depends on -> why, with what to do instead.
+_SAMPLER_KEYS = {"train.micro_batch_size": _why_micro_batch, "train.seed": _why_seed}
 
 
 def markdown_table() -> str:

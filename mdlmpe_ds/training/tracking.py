@@ -7,15 +7,26 @@ run continues the same directory (points are keyed by the optimizer update, so t
 History holds each update once: a run starting at update k (0 for a fresh run) first drops what an
 earlier attempt logged after k, from `metrics.jsonl` (rewritten atomically) and from TensorBoard
 (`purge_step`), so a run killed after logging update 25 and resumed from update 20 shows 21-25 once.
+
+A full disk or an exceeded quota while the metrics are written is one error (``disk_full_named``)
+naming the file, the free space and the checkpoint `--resume auto` continues from: a save commits
+by an atomic rename, so the newest complete checkpoint is intact, and the resume drops whatever was
+logged after it. ``close()`` then adds nothing over that error: it is the one the run ends with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from mdlmpe_ds.training import checkpoint as ckpt
 
 
 class NullTracker:
@@ -45,12 +56,14 @@ class Tracker(NullTracker):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        self.log_dir = Path(output_dir) / "tensorboard"
+        self.output_dir = Path(output_dir)
+        self.log_dir = self.output_dir / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(self.log_dir), purge_step=start_update + 1)
-        metrics_file = Path(output_dir) / "metrics.jsonl"
-        truncate_history(metrics_file, start_update)
-        self.metrics = open(metrics_file, "a")  # noqa: SIM115 (closed in close())
+        self.metrics_file = self.output_dir / "metrics.jsonl"
+        truncate_history(self.metrics_file, start_update)
+        self.metrics = open(self.metrics_file, "a")  # noqa: SIM115 (closed in close())
+        self.failed = False  # a write failed: close() must not raise again over that error
         self.bar = tqdm(
             total=total_updates,
             initial=start_update,
@@ -62,10 +75,13 @@ class Tracker(NullTracker):
         )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
-        self.metrics.write(json.dumps({"step": step, **values}) + "\n")
-        self.metrics.flush()
+        what = f"the metrics of update {step}"
+        with self._writing(what, self.log_dir):
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+        with self._writing(what, self.metrics_file):
+            self.metrics.write(json.dumps({"step": step, **values}) + "\n")
+            self.metrics.flush()
 
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         self.bar.set_postfix(postfix, refresh=False)
@@ -76,10 +92,76 @@ class Tracker(NullTracker):
         sys.stdout.flush()
 
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
-        self.metrics.close()
+        """Flush and close. The trainer calls this in a ``finally``: after a failed write, or while
+        another error is on its way out, a failure here must not raise a second traceback over the
+        error to read (``_closing``)."""
+        with self._closing(self.log_dir):
+            self.writer.flush()
+            self.writer.close()
+        with self._closing(self.metrics_file):
+            self.metrics.close()
         self.bar.close()
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, target: Path) -> Iterator[None]:
+        """A full disk or an exceeded quota while writing ``target`` becomes one error naming it
+        (``disk_full_named``); any other OSError passes unchanged. Either marks the tracker failed."""
+        try:
+            yield
+        except OSError as err:
+            self.failed = True
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            named = Path(err.filename) if isinstance(err.filename, str) else target
+            raise disk_full_named(err, named, what, self.output_dir) from err
+
+    @contextlib.contextmanager
+    def _closing(self, target: Path) -> Iterator[None]:
+        """``_writing`` the last metrics, unless a write failed already (its error is on its way out:
+        a failure here is dropped) or another error is on its way out (a failure here is a note on
+        it)."""
+        pending = sys.exc_info()[1]
+        if not self.failed and pending is None:
+            with self._writing("the last metrics", target):
+                yield
+            return
+        try:
+            yield
+        except OSError as err:
+            if pending is not None and not self.failed:
+                pending.add_note(f"closing {target} failed as well: {err}")
+
+
+def disk_full_named(err: OSError, target: Path, what: str, output_dir: Path) -> OSError:
+    """The error of a full disk (or quota) while ``what`` was written to ``target``: which file, the
+    free space, and the checkpoint `--resume auto` continues from once there is space (the newest
+    complete one: a save commits by an atomic rename, so it is intact, and the resume drops the
+    metrics logged after it)."""
+    last = ckpt.newest_complete(output_dir)
+    where = "Disk quota exceeded" if err.errno == errno.EDQUOT else "No space left on device"
+    fix = "raise the quota or free space" if err.errno == errno.EDQUOT else "free space"
+    resume = (
+        f"the last complete checkpoint {last} is intact, and --resume auto continues from it (the "
+        "metrics logged after it are dropped and logged again)"
+        if last is not None
+        else "no checkpoint was completed yet, so nothing can be resumed: start the run again "
+        "(--overwrite_output_dir true replaces what this attempt logged)"
+    )
+    return OSError(
+        err.errno,
+        f"{where} while writing {what} to {target} ({_free_mib(target)} MiB free on its filesystem); "
+        f"{fix} under {output_dir} or move --output_dir, then: {resume}",
+    )
+
+
+def _free_mib(where: Path) -> str:
+    """Free MiB on ``where``'s filesystem (its nearest existing folder), or "?"."""
+    try:
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        return f"{shutil.disk_usage(where).free / 2**20:.0f}"
+    except OSError:
+        return "?"
 
 
 def truncate_history(metrics_file: Path, last_step: int) -> None:

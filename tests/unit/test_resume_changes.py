@@ -141,6 +141,39 @@ def test_a_lora_resume_names_the_setting_that_differs(tmp_path):
     assert lines and "forced by --allow_config_change" in lines[0]
 
 
+@pytest.mark.parametrize(
+    "flag, key, told",
+    [
+        ("--micro_batch_size", "train.micro_batch_size", "--allow_config_change train.grad_accum"),
+        ("--seed", "train.seed", "resume with --seed 1234"),
+    ],
+)
+def test_a_forced_sampler_key_is_refused_before_the_engine(tmp_path, flag, key, told):
+    """--allow_config_change train.micro_batch_size was logged as forced, and the sampler then
+    refused the position once the engine was built (minutes on a large model). Refused up front,
+    as a key that cannot be forced, naming what to do instead."""
+    saved = build_config(None, ["--micro_batch_size", "2"]).to_dict()
+    now = copy.deepcopy(saved)
+    _set(now, key, rc.flat(saved)[key] * 2)
+    with pytest.raises(ValueError) as err:
+        rc.check_resume_config(saved, now, {key}, tmp_path / "step_000004")
+    text = str(err.value)
+    assert f"{key}: " in text and "cannot be forced" in text and told in text
+    assert f"--allow_config_change {key}" not in text
+    if key == "train.micro_batch_size":
+        assert "resume with --micro_batch_size 2" in text
+
+
+def test_every_sampler_order_key_of_the_run_config_is_never_forced():
+    """The sampler refuses a position saved under another value of these (load_state_dict), so a
+    forced change would only fail after the engine is built."""
+    from mdlmpe_ds.data.sampler import _ORDER_KEYS
+
+    run_keys = {f"train.{k}" for k in _ORDER_KEYS} & set(rc.RESUME_CHANGES)
+    assert run_keys == {"train.micro_batch_size", "train.seed"}
+    assert run_keys <= set(rc.NEVER_FORCED)
+
+
 class _Engine:
     """The two attributes apply_optim_settings uses, as DeepSpeed exposes them."""
 
