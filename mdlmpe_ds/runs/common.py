@@ -29,7 +29,7 @@ from mdlmpe_ds.models.hf_io import load_weights_into
 from mdlmpe_ds.models.presets import preset
 from mdlmpe_ds.models.transformer import DiffusionLM
 from mdlmpe_ds.training import checkpoint as ckpt
-from mdlmpe_ds.training import resume_changes
+from mdlmpe_ds.training import resume_changes, weights_only
 from mdlmpe_ds.training.memory_plan import plan_memory
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,47 @@ def total_updates_for(run: RunConfig, num_batches_per_rank: int) -> int:
     return max(1, math.ceil(run.train.epochs * updates_per_epoch(num_batches_per_rank, run.train.grad_accum)))
 
 
+def resumed_total(
+    run: RunConfig, num_batches_per_rank: int, saved: ckpt.SavedRun | None, world: int, fingerprint: str
+) -> tuple[int, str | None]:
+    """The run's total updates, and a note to log when resuming changed how it is counted.
+
+    An ``--epochs`` run counts its total in updates of micro_batch_size x grad_accum x world
+    sequences. Resumed on another number of ranks or another grad_accum, its updates hold another
+    number of sequences, so recounting the epochs from scratch would end it early (1 -> 2 ranks)
+    or train past its epochs (2 -> 1). The updates the saved plan had left are converted to the
+    new size instead, and the plan itself (``saved.total_updates``) is carried from checkpoint to
+    checkpoint, so a second resume on the new size keeps it. A ``--max_steps`` run, a changed
+    ``--epochs`` (resume_changes: the new total applies) and other data (``fingerprint`` is not
+    the checkpoint's: train.allow_data_change) count from scratch."""
+    fresh = total_updates_for(run, num_batches_per_rank)
+    if saved is None or run.train.max_steps is not None:
+        return fresh, None
+    if saved.data_fingerprint not in (None, fingerprint):
+        return fresh, None
+    was = saved.run_config.get("train", {})
+    if was.get("max_steps") is not None or was.get("epochs") != run.train.epochs:
+        return fresh, None
+    before = int(was.get("grad_accum", run.train.grad_accum)) * saved.world_size
+    now = run.train.grad_accum * world
+    planned = saved.total_updates
+    if planned is None:  # a checkpoint from before the record: its plan, recounted at its size
+        if before == now:
+            return fresh, None
+        batches = num_batches_per_rank * world // saved.world_size
+        planned = max(1, math.ceil(run.train.epochs * updates_per_epoch(batches, before // saved.world_size)))
+    if before == now:
+        return planned, None
+    left = max(0, planned - saved.step)
+    total = saved.step + math.ceil(left * before / now)
+    return total, (
+        f"--epochs {run.train.epochs:g}: the checkpoint (update {saved.step} of {planned}) took "
+        f"{before} micro-batches per update, this run takes {now}; its {left} remaining updates are "
+        f"{total - saved.step} now, so the run ends at update {total} (the lr cosine and the head "
+        "schedule follow the new total)"
+    )
+
+
 def describe_plan(
     run: RunConfig, model_config, world: int, total: int | None, n_examples: int | None, params: dict
 ) -> str:
@@ -206,10 +247,18 @@ def assert_same_on_all_ranks(fingerprint: str, what: str) -> None:
         raise RuntimeError(f"{what} (fingerprints {[bytes(g.tolist()).hex()[:16] for g in gathered]})")
 
 
+#: The folder of output_dir where ``--resume auto`` sets an earlier run's records aside when it
+#: finds no checkpoint to continue (``restarts_without_checkpoint``).
+EARLIER_RUNS = "earlier_runs"
+#: What a run leaves in output_dir besides its checkpoints: its history and its weights-only saves.
+RECORDS = ("metrics.jsonl", "tensorboard", weights_only.WEIGHTS)
+
+
 def earlier_run(output_dir: str | Path) -> list[str]:
     """What another run left in ``output_dir`` (names): its checkpoint directories, a non-empty
-    metrics.jsonl, a non-empty tensorboard/. The history counts as much as the checkpoints: a run
-    whose checkpoints were deleted after its export still has its only record there."""
+    metrics.jsonl, a non-empty tensorboard/, its weights-only saves (weights/). The history counts
+    as much as the checkpoints: a run whose checkpoints were deleted after its export still has its
+    only record there."""
     out = Path(output_dir)
     found = [p.name for p in ckpt.existing_run(out)]
     metrics = out / "metrics.jsonl"
@@ -218,6 +267,8 @@ def earlier_run(output_dir: str | Path) -> list[str]:
     board = out / "tensorboard"
     if board.is_dir() and any(board.iterdir()):
         found.append("tensorboard/")
+    if weights_only.weights_saves(out):
+        found.append(f"{weights_only.WEIGHTS}/")
     return found
 
 
@@ -229,6 +280,29 @@ def starts_new_history(resume: str | None, output_dir: str | Path) -> bool:
     if resume == "auto":
         return False
     return not Path(resume).resolve().is_relative_to(Path(output_dir).resolve())
+
+
+def restarts_without_checkpoint(resume: str | None, output_dir: str | Path) -> bool:
+    """``--resume auto`` where output_dir holds no checkpoint directory: a new run starts there.
+    It is the one command a requeued job repeats, so it must not refuse (a job killed before its
+    first save has only a short history), but what an earlier run left there must not be truncated
+    or written over either (a run whose checkpoints were deleted after its export)."""
+    return resume == "auto" and not ckpt.existing_run(output_dir)
+
+
+def set_records_aside(output_dir: str | Path) -> Path:
+    """Rank 0: move output_dir's ``RECORDS`` into a new ``earlier_runs/run-<time>/``; returns it."""
+    out = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = out / EARLIER_RUNS / f"run-{stamp}", 1
+    while dest.exists():  # two restarts within a second
+        dest, n = out / EARLIER_RUNS / f"run-{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for name in RECORDS:
+        if (out / name).exists():
+            (out / name).rename(dest / name)
+    ckpt.fsync_dir(out)
+    return dest
 
 
 def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False) -> None:
@@ -255,6 +329,13 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
                 )
             verb = "would delete" if dry_run else "will delete, once the data, model and engine are ready,"
             log.info(f"--overwrite_output_dir: the run {verb} the earlier run in {t.output_dir}")
+        elif earlier and restarts_without_checkpoint(resume, t.output_dir):
+            fate = "delete" if t.overwrite_output_dir else f"move to {Path(t.output_dir) / EARLIER_RUNS}/"
+            log.warning(
+                f"--resume auto: {t.output_dir} holds no checkpoint to continue from, only an earlier "
+                f"run's {', '.join(earlier)}: starting a new run. It will {fate} them once its data, "
+                "model and engine are ready (a job stopped before then leaves them as they are)"
+            )
     process_group.barrier()
     if not dry_run:
         check_output_dir_shared(t.output_dir)
@@ -263,15 +344,21 @@ def prepare_output_dir(resume: str | None, run: RunConfig, dry_run: bool = False
 def clear_overwritten(resume: str | None, run: RunConfig) -> None:
     """Collective, after the engine is built and before the trainer writes anything: with
     train.overwrite_output_dir, delete the earlier run that ``prepare_output_dir`` found (its
-    checkpoints, metrics.jsonl and TensorBoard logs)."""
+    checkpoints, metrics.jsonl, TensorBoard logs and weights-only saves); without it, a
+    ``--resume auto`` that found no checkpoint sets the earlier run's records aside
+    (``set_records_aside``) instead of truncating its history."""
     t = run.train
-    if process_group.rank() == 0 and t.overwrite_output_dir and starts_new_history(resume, t.output_dir):
-        out = Path(t.output_dir)
-        if earlier_run(out):
-            for stale in (ckpt.checkpoints_root(out), out / "tensorboard"):
+    out = Path(t.output_dir)
+    if process_group.rank() == 0 and earlier_run(out):
+        restart = restarts_without_checkpoint(resume, out)
+        if t.overwrite_output_dir and (restart or starts_new_history(resume, out)):
+            for stale in (ckpt.checkpoints_root(out), out / "tensorboard", out / weights_only.WEIGHTS):
                 shutil.rmtree(stale, ignore_errors=True)
             (out / "metrics.jsonl").unlink(missing_ok=True)
             log.info(f"--overwrite_output_dir: removed the earlier run's checkpoints and logs in {out}")
+        elif restart:
+            moved = set_records_aside(out)
+            log.warning(f"--resume auto found no checkpoint: the earlier run's records are now in {moved}")
     process_group.barrier()
 
 

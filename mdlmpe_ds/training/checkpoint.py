@@ -370,6 +370,7 @@ class SavedRun:
     tokenizer: str | None = None
     data_fingerprint: str | None = None  # absent in checkpoints written before it existed
     resolved: dict[str, Any] = field(default_factory=dict)  # write_meta's ``resolved``
+    total_updates: int | None = None  # the run's total when saved; absent before it was recorded
 
     def resolved_value(self, key: str) -> Any | None:
         """What run-config ``key`` resolved to when the checkpoint was written (None: not recorded,
@@ -392,6 +393,7 @@ def read_saved_run(path: Path) -> SavedRun:
             meta.get("tokenizer"),
             compat.recorded_data_fingerprint(meta),
             meta.get("resolved") or {},
+            meta.get("total_updates"),
         )
     except (ValueError, KeyError) as err:
         raise ValueError(f"{meta_file}: unreadable checkpoint metadata ({err!r})") from err
@@ -465,12 +467,15 @@ def write_meta(
     tokenizer: str,
     data_fingerprint: str | None = None,
     resolved: dict | None = None,
+    total_updates: int | None = None,
 ) -> None:
     """The checkpoint's ``config.json``: the run config as the user wrote it (hub ids, dataset
     names) and, under ``resolved``, what those names resolved to on the machine that wrote it
     (``{"section.key": {"value": local path or name, "commit": snapshot commit or null}}``; empty
     when nothing was resolved; absent in checkpoints written before it was recorded). A
-    ``train.precision`` of "auto" is recorded there as the precision it ran in (checkpointer)."""
+    ``train.precision`` of "auto" is recorded there as the precision it ran in (checkpointer).
+    ``total_updates``: the run's total at the save, which an ``--epochs`` run resumed on another
+    number of ranks or grad_accum converts (runs/common.py: ``resumed_total``)."""
     meta = {
         "format": FORMAT,
         "step": step,
@@ -480,5 +485,6 @@ def write_meta(
         "tokenizer": tokenizer,
         "data_fingerprint": data_fingerprint,
         "resolved": resolved or {},
+        "total_updates": total_updates,
     }
     fsync_write(path / "config.json", json.dumps(meta, indent=2, default=str))

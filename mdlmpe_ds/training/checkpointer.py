@@ -61,6 +61,7 @@ class RunMeta:
     tokenizer: str
     data_fingerprint: str | None = None
     resolved: dict[str, Any] = field(default_factory=dict)
+    total_updates: int | None = None  # the run's planned updates (runs/common.py: resumed_total)
 
 
 class Checkpointer:
@@ -91,7 +92,9 @@ class Checkpointer:
         m = self.meta
         run, model = m.run.to_dict(), m.model.to_dict()
         resolved = self._resolved(engine)
-        ckpt.write_meta(staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint, resolved)
+        ckpt.write_meta(
+            staging, step, self.world, run, model, m.tokenizer, m.data_fingerprint, resolved, m.total_updates
+        )
 
     def _resolved(self, engine) -> dict[str, Any]:
         """``meta.resolved`` plus, when train.precision is not what the engine runs in ("auto"), the

@@ -158,6 +158,99 @@ def test_a_history_without_checkpoints_is_a_run_and_so_is_a_foreign_resume(tmp_p
     prepare_output_dir(foreign, empty)
 
 
+def _weights_save(out: Path, step: int) -> Path:
+    """A weights-only save as train.save_on_signal model leaves it (weights_only.py)."""
+    folder = out / "weights" / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "WEIGHTS.json").write_text("{}")
+    return folder
+
+
+def test_resume_auto_without_a_checkpoint_sets_the_earlier_records_aside(tmp_path, caplog):
+    """--resume auto is the one command a requeued job repeats: where output_dir holds no
+    checkpoint (deleted after an export, or a job killed before its first save) it starts a new
+    run, but the earlier run's history and weights-only saves move to earlier_runs/, whole, and
+    only once the new run is ready; with --overwrite_output_dir they are deleted, weights/ too."""
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.common import clear_overwritten, earlier_run, prepare_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    history = "".join(json.dumps({"step": s}) + "\n" for s in range(1, 9))
+    (out / "metrics.jsonl").write_text(history)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_bytes(b"curve")
+    _weights_save(out, 8)
+    assert earlier_run(out) == ["metrics.jsonl", "tensorboard/", "weights/"]
+    run = build_config(None, ["--output_dir", str(out)])
+    with caplog.at_level("WARNING"):
+        prepare_output_dir("auto", run)
+    assert "holds no checkpoint to continue from" in caplog.text and "earlier_runs" in caplog.text
+    assert (out / "metrics.jsonl").read_text() == history  # untouched until the run is ready
+    clear_overwritten("auto", run)
+    (moved,) = (out / "earlier_runs").iterdir()
+    assert (moved / "metrics.jsonl").read_text() == history
+    assert (moved / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"curve"
+    assert (moved / "weights" / "step_000008" / "WEIGHTS.json").is_file()
+    assert earlier_run(out) == []  # the new run writes a history of its own
+
+    again = tmp_path / "again"
+    (again / "tensorboard").mkdir(parents=True)
+    (again / "tensorboard" / "events.out.tfevents.2").write_bytes(b"curve")
+    _weights_save(again, 3)
+    overwrite = build_config(None, ["--output_dir", str(again), "--overwrite_output_dir", "true"])
+    prepare_output_dir("auto", overwrite)
+    clear_overwritten("auto", overwrite)
+    assert earlier_run(again) == [] and not (again / "weights").exists()
+    assert not (again / "earlier_runs").exists()
+
+
+def test_overwrite_deletes_the_earlier_runs_weights_only_saves(tmp_path):
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.common import clear_overwritten, earlier_run, prepare_output_dir
+
+    _weights_save(tmp_path, 6)
+    run = build_config(None, ["--output_dir", str(tmp_path)])
+    with pytest.raises(FileExistsError, match=r"already holds a run \(weights/\)"):
+        prepare_output_dir(None, run)
+    overwrite = build_config(None, ["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"])
+    save(tmp_path, 3)
+    prepare_output_dir(None, overwrite)
+    clear_overwritten(None, overwrite)
+    assert earlier_run(tmp_path) == [] and not (tmp_path / "weights").exists()
+
+
+def test_an_epochs_run_resumed_on_another_batch_size_keeps_its_plan(tmp_path):
+    """1 -> 2 ranks halved the updates left (it ended at 62% of its epoch), 2 -> 1 doubled them
+    past the epoch: the remaining updates are converted to the new update size, and the plan is
+    carried, so a second resume on the new size ends where the first said."""
+    from mdlmpe_ds.config.cli import build_config
+    from mdlmpe_ds.runs.common import resumed_total
+
+    args = ["--output_dir", str(tmp_path), "--epochs", "1", "--grad_accum", "2", "--micro_batch_size", "2"]
+    run = build_config(None, args)
+
+    def saved(step, world, total, grad_accum=2, **train):
+        config = {"train": {"epochs": 1.0, "max_steps": None, "grad_accum": grad_accum, **train}}
+        return ckpt.SavedRun(tmp_path, step, world, config, {}, None, "fp", {}, total)
+
+    # 64 sequences, 32 micro-batches: 16 updates on 1 rank, 8 on 2.
+    assert resumed_total(run, 16, None, 2, "fp") == (8, None)  # a fresh run
+    total, note = resumed_total(run, 16, saved(10, 1, 16), 2, "fp")
+    assert total == 13 and "update 10 of 16" in note and "ends at update 13" in note
+    assert resumed_total(run, 16, saved(12, 2, 13), 2, "fp") == (13, None)  # the plan carried
+    assert resumed_total(run, 32, saved(4, 2, 8), 1, "fp")[0] == 12  # 2 -> 1: 4 left become 8
+    assert resumed_total(run, 16, saved(10, 1, None), 2, "fp")[0] == 13  # an older checkpoint
+    assert resumed_total(run, 16, saved(4, 2, 8), 2, "fp") == (8, None)  # nothing changed
+    four = build_config(None, [*args[:-4], "--grad_accum", "4", "--micro_batch_size", "2"])
+    assert resumed_total(four, 16, saved(4, 2, 8), 2, "fp")[0] == 6  # grad_accum 2 -> 4
+    # A changed length, a max_steps run or other data count from scratch.
+    assert resumed_total(run, 16, saved(10, 1, 16, epochs=2.0), 2, "fp") == (8, None)
+    assert resumed_total(run, 16, saved(10, 1, 16), 2, "other data") == (8, None)
+    steps = build_config(None, [*args, "--max_steps", "20"])
+    assert resumed_total(steps, 16, saved(10, 1, 16), 2, "fp") == (20, None)
+
+
 def test_history_keeps_each_update_once(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"step": s} for s in (1, 2, 3, 4, 5, 6)]
