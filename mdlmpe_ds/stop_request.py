@@ -63,7 +63,8 @@ def poll(what: str) -> None:
     """Raise StoppedDuringSetup when a stop was requested during setup; ``what`` names the work."""
     if _reason is not None and _phase == "setup":
         raise StoppedDuringSetup(
-            f"stopped while {what} ({_reason}): no update was trained, nothing to save; run the same "
-            f"command again to start (or --resume auto to continue from the last checkpoint)",
+            f"stopped while {what} ({_reason}): no update was trained, nothing to save, and nothing in "
+            f"output_dir was changed (checkpoints, logs, an --overwrite_output_dir deletion); run the "
+            f"same command again",
             _exit_code,
         )

@@ -9,6 +9,7 @@ written once, here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,21 @@ from mdlmpe_ds.runs.common import (
     check_resume_data,
     clear_overwritten,
     dry_run_plan,
+    earlier_run,
     load_tokenizer_dir,
     model_config_for,
     prepare_resume,
+    resumed_total,
     set_newer_aside,
-    total_updates_for,
+    starts_new_history,
 )
+from mdlmpe_ds.training import checkpoint as ckpt
+from mdlmpe_ds.training import lifecycle
 from mdlmpe_ds.training.callbacks import callbacks_for
 from mdlmpe_ds.training.faults import NO_FAULTS, Faults
 from mdlmpe_ds.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 def store_dir(run: RunConfig) -> Path:
@@ -103,10 +110,13 @@ def make_trainer(
     fingerprint: str,
     faults: Faults,
     resolved: dict | None = None,
+    before_first_write: Callable[[], None] | None = None,
 ) -> Trainer:
     """The one place a run's trainer is constructed, with the callbacks this run needs
     (callbacks.callbacks_for: head schedule, MDLMPE statistics, LoRA, non-finite policy, stops, faults).
-    ``resolved``: what the run's names resolved to (hub.resolve.resolution), kept in each checkpoint."""
+    ``resolved``: what the run's names resolved to (hub.resolve.resolution), kept in each checkpoint.
+    ``before_first_write``: the trainer calls it once the checkpoint has loaded, before its tracker
+    writes into output_dir (``change_output_dir``)."""
     hooks = callbacks_for(run, model_config, faults)
     return Trainer(
         run,
@@ -119,6 +129,41 @@ def make_trainer(
         fingerprint,
         callbacks=hooks,
         resolved=resolved,
+        before_first_write=before_first_write,
+    )
+
+
+def change_output_dir(resume: str | None, resume_from: Path | None, run: RunConfig) -> None:
+    """Collective, the setup's only changes to what an earlier run left, made as late as they can be:
+    inputs, data, model and engine are built and the checkpoint has loaded (every check has passed),
+    and nothing of this run is written yet. First the stop request, agreed over the ranks: a SIGTERM
+    or Ctrl-C during the build or the load (minutes for a large model; scancel, a preemption) was only
+    recorded, and the job stops here with the output_dir as it found it. Then --overwrite_output_dir
+    deletes the earlier run (``clear_overwritten``) and an older-step resume sets the newer checkpoints
+    aside (``set_newer_aside``)."""
+    lifecycle.stop_setup_if_asked(
+        "setting up (before the first update)", lambda: stopped_setup_advice(resume, run)
+    )
+    clear_overwritten(resume, run)
+    set_newer_aside(resume_from, run)
+
+
+def stopped_setup_advice(resume: str | None, run: RunConfig) -> str:
+    """What a run stopped during setup leaves, read from the disk as it is now: the earlier run an
+    --overwrite_output_dir has not deleted yet, the newest checkpoint --resume auto would continue
+    from, or nothing to continue (never a checkpoint that is not there)."""
+    out = run.train.output_dir
+    if run.train.overwrite_output_dir and starts_new_history(resume, out) and earlier_run(out):
+        return (
+            f"the earlier run in {out} is intact (--overwrite_output_dir deletes it only once the new "
+            f"run is ready to train): run the same command again to start over"
+        )
+    newest = ckpt.newest_complete(out)
+    if newest is None:
+        return f"{out} holds no checkpoint to continue from: run the same command again to start"
+    return (
+        f"the checkpoints in {ckpt.checkpoints_root(out)} are as they were: run the same command again, "
+        f"or --resume auto to continue from the newest, {newest}"
     )
 
 
@@ -138,7 +183,8 @@ def assemble_and_train(
 
     The order: inputs (tokenizer, model config), then the resume point (its config and model are
     checked before any data work), then the data (its fingerprint checked against the checkpoint
-    before any engine work), the task, the engine, the trainer."""
+    before any engine work), the task, the engine, the trainer (which loads the checkpoint). Only then,
+    unless a stop was requested meanwhile, is what an earlier run left changed (``change_output_dir``)."""
     if dry_run:  # from the model's config alone: no weights, no tokenizer, no data
         return dry_run_plan(run, ds_config_path, resume)
     inputs = run_inputs(run, kind)
@@ -148,13 +194,16 @@ def assemble_and_train(
     data = kind.load_data(run, inputs)
     check_resume_data(resume_from, data.fingerprint, run)
     task = kind.make_task(run, inputs, data)
-    total = total_updates_for(run, len(data.sampler))
+    saved = ckpt.read_saved_run(resume_from) if resume_from is not None else None
+    world = process_group.world_size()
+    total, recount = resumed_total(run, len(data.sampler), saved, world, data.fingerprint)
+    if recount and process_group.rank() == 0:
+        log.warning(recount)
     engine, _ = build_engine(
         inputs.local, model_config, ds_config, total, len(data.dataset), False, resume_from, as_written=run
     )
     tokenizer_name = recorded_tokenizer(run, inputs.tokenizer_dir)
     resolved = resolution(run, inputs.local, inputs.tokenizer_dir, inputs.source)
-    clear_overwritten(resume, run)  # only now: inputs, data, model and engine are all ready
     trainer = make_trainer(
         run,
         engine,
@@ -166,8 +215,8 @@ def assemble_and_train(
         data.fingerprint,
         faults,
         resolved,
+        before_first_write=lambda: change_output_dir(resume, resume_from, run),
     )
-    set_newer_aside(resume_from, run)  # the checkpoint has loaded: every check has passed
     if process_group.rank() == 0:  # a finished run's summary is not this run's, until it ends
         (Path(run.train.output_dir) / FINISHED_SUMMARY).unlink(missing_ok=True)
     summary = trainer.train()

@@ -212,7 +212,9 @@ def describe_plan(
     else:
         warmup = run.warmup_updates(total)
         updates = f"updates: {total:,} (warmup {warmup:,} updates, cosine {run.optim.cosine})"
-        if n_examples is not None:
+        if t.max_steps is None:  # the updates were counted from it (resumed_total, after a resize)
+            updates += f", {t.epochs:g} epochs"
+        elif n_examples is not None:
             updates += f", ~{total * per_update / max(1, n_examples):.2f} epochs"
         if warmup >= total:
             updates += (

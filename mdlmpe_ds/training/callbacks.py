@@ -188,16 +188,35 @@ class NonFinitePolicy(Callback):
 
 
 class StopHandling(Callback):
-    """SIGTERM/SIGINT or a lost launcher (lifecycle.py): polled before the first update, voted on
-    after each, and answered after a finite update with what ``train.save_on_signal`` asks for
-    (full, model, none), then ``Stopped`` (exit 128 + the signal number)."""
+    """SIGTERM/SIGINT or a lost launcher (lifecycle.py): looked at before the first update (agreed
+    over the ranks), voted on after each update and after each save, and answered after a finite
+    update with what ``train.save_on_signal`` asks for (full, model, none), then ``Stopped`` (exit
+    128 + the signal number).
+
+    A stop that arrived while a periodic save was written is answered by that save, in every mode:
+    the loop stops right after it, without another update or a second save, which would only spend
+    the launcher's grace period (30 s) on work the next run trains again. ``full``: the save is
+    the full checkpoint the mode asks for. ``model``: the full checkpoint of the same update holds
+    the weights (export reads it) and also resumes, so a weights-only save of it adds nothing.
+    ``none``: the mode asks to write nothing more; what was already on disk is kept."""
 
     def __init__(self, save_on_signal: str) -> None:
         self.choice = save_on_signal
 
     def on_start(self, trainer: Trainer) -> None:
-        stop_request.poll("setting up (before the first update)")
+        lifecycle.stop_setup_if_asked(
+            "setting up (before the first update)", lambda: self._restart_advice(trainer)
+        )
         stop_request.set_phase("training")
+
+    @staticmethod
+    def _restart_advice(trainer: Trainer) -> str:
+        """What to run after a stop before the first update: the run continues from the checkpoint it
+        loaded, if any; otherwise it starts again (an --overwrite_output_dir has already deleted the
+        earlier run by then: never advise a checkpoint that is not there)."""
+        if trainer.last_good is not None:
+            return f"run the same command again to continue from {trainer.last_good}"
+        return "run the same command again to start"
 
     def wants_stop(self, trainer: Trainer) -> bool:
         return lifecycle.stop_reason() is not None
@@ -205,6 +224,18 @@ class StopHandling(Callback):
     def on_stop(self, trainer: Trainer, step: int) -> None:
         reason = lifecycle.stop_reason() or "another rank was asked to stop"
         code = lifecycle.exit_code() or 128 + signal.SIGTERM
+        if trainer.saved_at == step:  # the stop arrived while this update's save was written
+            export = (
+                f" (it holds the weights, so no weights-only save was written: python launch/export.py "
+                f"{trainer.last_good} DIR)"
+                if self.choice == "model"
+                else ""
+            )
+            raise Stopped(
+                f"stopped after update {step} ({reason}, while its checkpoint was written); checkpoint "
+                f"{trainer.last_good} is complete: continue with --resume auto{export}",
+                code,
+            )
         if self.choice == "full":
             trainer.save()
             raise Stopped(

@@ -17,6 +17,9 @@
 
 The state is per process (signal handlers are); it lives in ``stop_request`` (a bottom utility
 that the data modules can poll): `install` once in a worker, `stop_reason` from the loop.
+``stop_setup_if_asked`` is the setup's last look before it changes anything on disk (the
+deletion of --overwrite_output_dir, setting newer checkpoints aside): agreed over the ranks, so
+every rank stops there or none does.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from mdlmpe_ds.stop_request import exit_code, request_stop, reset, stop_reason  # noqa: F401 (the API)
+from mdlmpe_ds.distributed import collectives
+from mdlmpe_ds.stop_request import StoppedDuringSetup, exit_code, request_stop, reset, stop_reason
 from mdlmpe_ds.stop_request import phase as _phase
 
 
@@ -115,3 +120,26 @@ def install(grace_s: float, interval_s: float = 0.5) -> list[tuple[int, int, str
             target=_watch, args=(chain, grace_s, interval_s), name="launcher-watchdog", daemon=True
         ).start()
     return chain
+
+
+def stop_agreed() -> bool:
+    """Whether any rank was asked to stop. Collective (one host all-reduce): every rank gets the
+    same answer, so where a signal reached only some ranks, or reached them a moment apart, no rank
+    goes on alone into a collective the others have left."""
+    mine = 1.0 if stop_reason() is not None else 0.0
+    return collectives.all_reduce_max([mine])[0] > 0
+
+
+def stop_setup_if_asked(what: str, advice: Callable[[], str]) -> None:
+    """Raise ``StoppedDuringSetup`` on every rank when any rank was asked to stop (``stop_agreed``).
+    Called where setup ends: before it changes what an earlier run left (so a job cancelled while
+    its model loads leaves the output_dir as it found it) and before the first update. ``what``
+    names the work stopped; ``advice()`` (called only when stopping) says, truthfully for the disk
+    as it is then, what the user can run next."""
+    if not stop_agreed():
+        return
+    reason = stop_reason() or "another rank was asked to stop"
+    raise StoppedDuringSetup(
+        f"stopped while {what} ({reason}): no update was trained, nothing to save; {advice()}",
+        exit_code() or 128 + signal.SIGTERM,
+    )

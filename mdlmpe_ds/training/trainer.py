@@ -13,7 +13,9 @@ pretraining, and imports neither ``lora`` nor ``pe``. One optimizer update n (0-
      counts it (a flag every rank already agrees on, not a scan of the weights) and a callback
      decides what it means;
   4. one host all-reduce of the update's sums and the ranks' stop votes; metrics; a checkpoint when
-     one is due and every callback allows it (else it waits for the next update that is allowed).
+     one is due and every callback allows it (else it waits for the next update that is allowed);
+     after a checkpoint, the stop votes once more: a stop that arrived while it was written ends the
+     run there, with that checkpoint as the stop's save (callbacks.StopHandling).
 
 Everything that decides the next batch and the next noise draw -- engine state (DeepSpeed), sampler
 position, counters, RNG states -- is in every checkpoint, so a resumed run repeats the straight run's
@@ -28,7 +30,7 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,12 @@ class Trainer:
         data_fingerprint: str | None = None,
         callbacks: Sequence[Callback] = (),
         resolved: dict | None = None,
+        before_first_write: Callable[[], None] | None = None,
     ) -> None:
+        """``before_first_write``: called on every rank once ``resume_from`` has loaded and before
+        the tracker writes into output_dir (the run assembly's stop check and output_dir changes:
+        runs/assembly.change_output_dir), so a cancelled or refused resume leaves the history as it
+        was."""
         self.run, self.engine, self.model_config, self.task = run, engine, model_config, task
         self.total_updates = total_updates
         self.callbacks = list(callbacks)
@@ -94,10 +101,13 @@ class Trainer:
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self.state = TrainerState()
         self.save_pending = False  # a save a callback deferred: write it after the next allowed update
-        meta = RunMeta(run, model_config, str(tokenizer_dir), data_fingerprint, resolved or {})
+        self.saved_at: int | None = None  # the update whose full checkpoint this run wrote last
+        meta = RunMeta(run, model_config, str(tokenizer_dir), data_fingerprint, resolved or {}, total_updates)
         self.checkpointer = Checkpointer(run.train.output_dir, run.train.keep_last, meta, self.callbacks)
         if resume_from is not None:
             self._resume(resume_from)
+        if before_first_write is not None:
+            before_first_write()
         self.tracker = make_tracker(self.rank, run.train.output_dir, total_updates, self.state.step)
         self.checkpointer.say = self.tracker.print
         if resume_from is not None:
@@ -232,12 +242,14 @@ class Trainer:
                 ):
                     self.save_pending = True
                 elif self.stop_requested:
-                    for cb in self.callbacks:
-                        cb.on_stop(self, step)
-                    raise Stopped(f"stopped after update {step}: nothing saved (no stop handler)", 143)
+                    self._stop(step)
                 elif due:
                     self.save()
                     self.save_pending = False
+                    # A stop that arrived while the save was written: that save is the stop's save.
+                    self.stop_requested = not end and self._stop_voted()
+                    if self.stop_requested:
+                        self._stop(step)
                 if stopping:
                     self.tracker.print(
                         f"stopping at update {step} (train.stop_at); resume with --resume auto"
@@ -254,6 +266,19 @@ class Trainer:
             "tensorboard": str(Path(t.output_dir) / "tensorboard"),
         }
 
+    def _stop_voted(self) -> bool:
+        """The callbacks' stop votes, agreed over the ranks (one host all-reduce; collective), for the
+        points between updates where no update's all-reduce carries them (after a save)."""
+        mine = 1.0 if any([cb.wants_stop(self) for cb in self.callbacks]) else 0.0
+        return collectives.all_reduce_max([mine])[0] > 0
+
+    def _stop(self, step: int) -> None:
+        """Every rank agreed to stop after update ``step``: the callbacks save what the run asks for
+        and raise ``Stopped`` (callbacks.StopHandling); without a stop handler, stop unsaved."""
+        for cb in self.callbacks:
+            cb.on_stop(self, step)
+        raise Stopped(f"stopped after update {step}: nothing saved (no stop handler)", 143)
+
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
         """A full checkpoint of this update (checkpointer.py); collective."""
@@ -262,7 +287,9 @@ class Trainer:
             self.state.sampler = self.task.sampler.state_dict()
             return asdict(self.state)
 
-        return self.checkpointer.save(self.engine, self.state.step, trainer_state)
+        path = self.checkpointer.save(self.engine, self.state.step, trainer_state)
+        self.saved_at = self.state.step
+        return path
 
     def save_weights(self) -> Path:
         """The model weights only (train.save_on_signal model); not resumable. Collective."""
@@ -278,7 +305,17 @@ class Trainer:
         changed = self.run.train.allow_data_change
         for note in self.task.sampler.load_state_dict(self.state.sampler, data_changed=changed):
             log.warning(f"resume on other data (train.allow_data_change): {note}")
-        if (
-            saved_world != self.world
-        ):  # per-rank noise streams are keyed by rank: continue from the global count
-            self.state.micro_step = self.state.micro_step * saved_world // self.world
+        if saved_world != self.world:
+            self.state.micro_step = resumed_micro_step(self.state.micro_step, saved_world, self.world)
+
+
+def resumed_micro_step(saved: int, saved_world: int, world: int) -> int:
+    """Where a resume on another world size starts each rank's micro-step, the SFT noise key's third
+    part (seed, rank, micro_step: docs/data.md section 5; the data position is the sampler's, not this).
+
+    Every rank of the saved run (and of every run before it) drew only micro-steps below ``saved``:
+    the ranks step together and the counter only grows. Starting at ``saved`` or later therefore
+    never repeats a key, whichever ranks the new run has; the global count scaled to the new world
+    size (larger when the world shrinks) is kept where it is larger. Only called on another world size:
+    on the same one the counter is restored as saved, and the resume repeats the straight run."""
+    return max(saved, saved * saved_world // world)
