@@ -434,6 +434,7 @@ def prepare_resume(
     if resume_from is None:
         return None
     saved = ckpt.read_saved_run(resume_from)
+    was_accum = int(saved.run_config.get("train", {}).get("grad_accum", run.train.grad_accum))
     allowed = resume_changes.parse_allowed(allow_changes)
     # "auto" keys compare what they resolved to: the checkpoint's record and this run's ds config
     at_save = {key: saved.resolved_value(key) for key in resume_changes.RESOLVED_KEYS}
@@ -448,7 +449,32 @@ def prepare_resume(
         check_universal_copy(resume_from, saved.world_size, world)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
         log.info(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
+    change = per_update_change(run, saved.world_size, was_accum, world)
+    if change:
+        log.warning(change)
     return resume_from
+
+
+def per_update_change(run: RunConfig, saved_world: int, saved_accum: int, world: int) -> str | None:
+    """The note of a resume whose updates hold another number of sequences than the checkpoint's
+    (another world size, or a forced grad_accum): the global batch changes from here on. None when
+    they hold as many."""
+    mb = run.train.micro_batch_size
+    before, now = mb * saved_accum * saved_world, mb * run.train.grad_accum * world
+    if before == now:
+        return None
+    length = (
+        "the run keeps its total updates (--max_steps), so it sees "
+        + ("more" if now > before else "fewer")
+        + " sequences than planned"
+        if run.train.max_steps is not None
+        else "an --epochs run converts its remaining updates to the new size"
+    )
+    return (
+        f"an update now holds {now} sequences (micro {mb} x grad_accum {run.train.grad_accum} x world "
+        f"{world}), the checkpoint's held {before} (grad_accum {saved_accum} x world {saved_world}): "
+        f"the global batch changes from here on, and {length}"
+    )
 
 
 def check_universal_copy(resume_from: Path, saved_world: int, world: int) -> None:

@@ -225,7 +225,7 @@ def test_an_epochs_run_resumed_on_another_batch_size_keeps_its_plan(tmp_path):
     past the epoch: the remaining updates are converted to the new update size, and the plan is
     carried, so a second resume on the new size ends where the first said."""
     from mdlmpe_ds.config.cli import build_config
-    from mdlmpe_ds.runs.common import resumed_total
+    from mdlmpe_ds.runs.common import per_update_change, resumed_total
 
     args = ["--output_dir", str(tmp_path), "--epochs", "1", "--grad_accum", "2", "--micro_batch_size", "2"]
     run = build_config(None, args)
@@ -249,6 +249,11 @@ def test_an_epochs_run_resumed_on_another_batch_size_keeps_its_plan(tmp_path):
     assert resumed_total(run, 16, saved(10, 1, 16), 2, "other data") == (8, None)
     steps = build_config(None, [*args, "--max_steps", "20"])
     assert resumed_total(steps, 16, saved(10, 1, 16), 2, "fp") == (20, None)
+    # The resume says the global batch changed, and what that does to the run's length.
+    note = per_update_change(steps, 1, 2, 2)
+    assert "holds 8 sequences" in note and "held 4" in note and "keeps its total updates" in note
+    assert "converts its remaining updates" in per_update_change(run, 2, 2, 1)
+    assert per_update_change(four, 2, 2, 1) is None  # 2 ranks x 2 = 1 rank x 4: as many sequences
 
 
 def test_history_keeps_each_update_once(tmp_path):
