@@ -292,6 +292,17 @@ def _unassigned(directory: str, splits: dict[str, list[Path]], every: list[Path]
     return unassigned
 
 
+def _saved_dataset_hint(directory: Path) -> str:
+    """How to convert a ``datasets`` ``save_to_disk`` folder (Arrow shards beside state.json and
+    dataset_info.json), which users often have at hand, into files this reader takes."""
+    if not ((directory / "state.json").is_file() and (directory / "dataset_info.json").is_file()):
+        return ""
+    return (
+        f'. It is a datasets save_to_disk folder: write it as parquet, e.g. python -c "import datasets; '
+        f"datasets.load_from_disk('{directory}').to_parquet('{directory}.parquet')\", and pass that file"
+    )
+
+
 def local_data_files(directory: str | Path, split: str, config: str | None = None) -> LocalFiles:
     """The files of ``split`` (of ``config``) in a local dataset directory, and what else it holds.
 
@@ -326,6 +337,7 @@ def local_data_files(directory: str | Path, split: str, config: str | None = Non
         raise SFTDataError(
             f"{directory}: unsupported SFT file type in the directory: {names} "
             "(use .json, .jsonl or .parquet files, or move these out of the directory)"
+            + _saved_dataset_hint(Path(directory))
         )
     others = {s: files for s, files in splits.items() if s != split}
     not_read = sorted([p for p in chosen if not _readable(p)] + unassigned)

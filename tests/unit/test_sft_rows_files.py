@@ -90,6 +90,20 @@ def test_a_csv_of_rows_in_the_directory_is_refused_by_name(tmp_path, tokenizer):
         _build(data, tokenizer)
 
 
+def test_a_save_to_disk_folder_is_refused_with_the_conversion_that_works(tmp_path, tokenizer):
+    """A `datasets` save_to_disk folder (Arrow shards) is refused, and the command the message
+    gives turns it into a parquet file that trains."""
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([ROW] * 3).save_to_disk(str(saved))
+    with pytest.raises(SFTDataError, match=r"\.arrow.*save_to_disk folder") as err:
+        _build(saved, tokenizer)
+    command = str(err.value).split('python -c "')[1].split('"')[0]
+    exec(command)  # what the message tells the user to run
+    assert len(_build(tmp_path / "saved.parquet", tokenizer)[0]) == 3
+
+
 def test_a_split_other_than_train_on_one_file_is_refused(tmp_path, tokenizer):
     """--dataset_split validation on chat.jsonl trained on the whole file."""
     chat = _jsonl(tmp_path / "chat.jsonl", 2)
