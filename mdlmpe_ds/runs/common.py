@@ -213,7 +213,7 @@ def describe_plan(
         warmup = run.warmup_updates(total)
         updates = f"updates: {total:,} (warmup {warmup:,} updates, cosine {run.optim.cosine})"
         if t.max_steps is None:  # the updates were counted from it (resumed_total, after a resize)
-            updates += f", {t.epochs:g} epochs"
+            updates += f", {t.epochs:g} epoch{'' if t.epochs == 1 else 's'}"
         elif n_examples is not None:
             updates += f", ~{total * per_update / max(1, n_examples):.2f} epochs"
         if warmup >= total:
