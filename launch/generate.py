@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--add_bos",
         choices=("auto", "yes", "no"),
         default="auto",
-        help="prepend BOS (auto: for Dream, whose first position cannot be predicted)",
+        help="prepend BOS (auto: for a Dream model's raw text prompt, whose first position cannot be "
+        "predicted; not with --template, whose chat rendering starts as in training)",
     )
     p.add_argument("--show_steps", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -166,10 +167,15 @@ class Session:
         cfg = self.model.config
         self.eos_id, self.mask_id = cfg.eos_token_id, cfg.mask_token_id
         bos = getattr(self.tokenizer, "bos_token_id", None)
-        want_bos = cfg.family == "dream" if args.add_bos == "auto" else args.add_bos == "yes"
+        # auto: a chat turn is rendered as SFT rendered it (no BOS); raw text as Dream's evaluations do
+        dream_text = cfg.family == "dream" and not args.template
+        want_bos = dream_text if args.add_bos == "auto" else args.add_bos == "yes"
         self.bos_id = bos if want_bos else None
         if want_bos and bos is None:
-            raise SystemExit("--add_bos: the tokenizer has no BOS token")
+            default = " (the default for a Dream model's raw text prompt)" if args.add_bos == "auto" else ""
+            raise SystemExit(
+                f"--add_bos {args.add_bos}{default}: the tokenizer has no BOS token; pass --add_bos no"
+            )
         self.show_steps = args.show_steps
         self.check_room()
 

@@ -184,11 +184,15 @@ def dream_sft_loss(
     weighting: Literal["original", "cart", "linear", "none"] = "original",
     cart_p: float = 0.1,
     valid: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Dream SFT (Dream-train): Σ_{masked} w_i·CE_i / (number of masked tokens) (docs/models.md §3.5).
 
     ``weighting``: ``original`` w = 1/t (row's t), ``linear`` w = 1 − t, ``cart`` w = ``cart_weights``
-    (``cart_p``, context = unmasked and ``valid`` tokens), ``none`` w = 1. ``maskable`` [B, L] is
+    (``cart_p``, context = unmasked and ``valid`` tokens), ``none`` w = 1. ``hidden`` [B, L]: every
+    position whose input is the mask token, when that is more than ``masked`` (block diffusion with
+    ``block_context="full"``: the later blocks are masked inputs the model sees but no loss
+    covers); CART counts none of them as context. Default: ``masked``. ``maskable`` [B, L] is
     checked to contain ``masked``. The normaliser is this micro-batch's masked count, as Dream-train
     does per rank; under gradient accumulation average the micro-batch losses (DeepSpeed's
     gradient-accumulation scaling does exactly that), or, for a global token mean, use
@@ -207,7 +211,7 @@ def dream_sft_loss(
     elif weighting == "linear":
         weight = 1.0 - tf[rows]
     elif weighting == "cart":
-        weight = cart_weights(masked, cart_p, valid)[masked]  # row-major, same order as ce
+        weight = cart_weights(masked if hidden is None else hidden, cart_p, valid)[masked]  # as ce
     elif weighting == "none":
         weight = torch.ones_like(ce)
     else:

@@ -7,6 +7,7 @@ the masks it would have drawn. With ``train.block_size`` one block of each respo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -16,8 +17,11 @@ from mdlmpe_ds.config.run import TrainConfig
 from mdlmpe_ds.diffusion.blocks import block_sft_corrupt
 from mdlmpe_ds.diffusion.corruption import corrupt, noise_generator
 from mdlmpe_ds.diffusion.losses import dream_sft_loss, llada_sft_loss
+from mdlmpe_ds.distributed import process_group
 from mdlmpe_ds.tasks import Micro, engine_device
 from mdlmpe_ds.training.head_chunks import configured_chunk, group_chunk_count
+
+log = logging.getLogger(__name__)
 
 
 class Corrupted(NamedTuple):
@@ -33,6 +37,23 @@ class Corrupted(NamedTuple):
     t: torch.Tensor
 
 
+def dream_keys_unread(train: TrainConfig, loss_family: str) -> str | None:
+    """The note for Dream-loss settings given to a run that trains LLaDA's loss, which reads none
+    of them (a LLaDA model with --dream_weighting trained exactly as without it, without a word)."""
+    defaults = TrainConfig()
+    given = [
+        f"--{key} {getattr(train, key)}"
+        for key in ("dream_weighting", "cart_p")
+        if getattr(train, key) != getattr(defaults, key)
+    ]
+    if loss_family != "llada" or not given:
+        return None
+    return (
+        f"{' and '.join(given)} set the Dream loss, but this run trains LLaDA's loss (the model's "
+        "family; --loss dream trains Dream's), which reads neither: they change nothing"
+    )
+
+
 class SFTTask:
     """Chat examples through the length-grouped sampler and the SFT collator."""
 
@@ -41,6 +62,9 @@ class SFTTask:
         self.dataset, self.sampler, self.collator = dataset, sampler, collator
         self.loss_family = model_config.family if train.loss == "auto" else train.loss
         self.evaluation_stopped = False  # SFT runs no evaluation
+        unread = dream_keys_unread(train, self.loss_family)
+        if unread and process_group.rank() == 0:
+            log.warning(unread)
 
     def batches(self) -> Iterator[dict]:
         """Per-rank micro-batches forever. The collator's per-batch cutoff draw is keyed by (epoch,
@@ -85,9 +109,11 @@ class SFTTask:
         if self.loss_family == "llada":
             loss, stats = llada_sft_loss(scored, batch["input_ids"], c.masked, c.p_mask, c.answer_len)
         else:
+            # CART's context is what the model sees revealed: not a later block's mask tokens either.
+            hidden = c.ids == self.model_config.mask_token_id
             loss, stats = dream_sft_loss(
                 scored, batch["input_ids"], c.masked, c.t, batch["maskable"] & c.valid,
-                weighting=t.dream_weighting, cart_p=t.cart_p, valid=c.valid,
+                weighting=t.dream_weighting, cart_p=t.cart_p, valid=c.valid, hidden=hidden,
             )  # fmt: skip
         return Micro(loss, stats, int(batch["valid"].sum()), int(batch["input_ids"].shape[0]))
 

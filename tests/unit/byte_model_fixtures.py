@@ -30,12 +30,14 @@ def byte_tokenizer(path: str | Path, chat_template: str | None = CHAT_TEMPLATE):
     return fast
 
 
-def byte_model_dir(out: str | Path, max_seq_len: int = 64, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """An export of a ``max_seq_len``-position LLaDA-family model (seeded init) with ``byte_tokenizer``."""
+def byte_model_dir(
+    out: str | Path, max_seq_len: int = 64, chat_template: str | None = CHAT_TEMPLATE, family: str = "llada"
+) -> Path:
+    """An export of a ``max_seq_len``-position ``family`` model (seeded init) with ``byte_tokenizer``."""
     out = Path(out)
     torch.manual_seed(0)
     config = preset(
-        "llada-tiny", max_seq_len=max_seq_len, mdlmpe={"max_seq_len": max_seq_len}, vocab_size=512,
+        f"{family}-tiny", max_seq_len=max_seq_len, mdlmpe={"max_seq_len": max_seq_len}, vocab_size=512,
         mask_token_id=511, eos_token_id=510, pad_token_id=510,
     )  # fmt: skip
     save_pretrained(DiffusionLM(config), out, config)

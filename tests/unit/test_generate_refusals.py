@@ -139,3 +139,17 @@ def test_fit_conversation_keeps_the_system_prompt_and_the_newest_turns(capsys):
     assert "this message was not sent: as a chat turn after the system prompt it is 18 tokens" in (
         capsys.readouterr().err
     )
+
+
+def test_a_dream_chat_turn_starts_as_in_training_and_a_missing_bos_names_the_flag(tmp_path):
+    """Dream SFT renders a chat turn without a BOS (and so does the export's chat()); generate.py
+    --template put one in front of it, and with a tokenizer without BOS refused naming no way out."""
+    dream = byte_model_dir(tmp_path / "dream", family="dream")
+    launcher = _launcher()
+    out = io.StringIO()
+    launcher.main(["--checkpoint", str(dream), "--gen_length", "8", "--prompt", "Hi", "--template"], out=out)
+    assert out.getvalue().strip()
+    with pytest.raises(
+        SystemExit, match=r"--add_bos auto \(the default for a Dream model's raw text prompt\).*--add_bos no"
+    ):
+        launcher.main(["--checkpoint", str(dream), "--gen_length", "8", "--prompt", "Hi"], out=io.StringIO())

@@ -292,3 +292,43 @@ def test_pretraining_micro_step_allocates_no_full_logits(family):
                 weighting=t.dream_weighting, cart_p=t.cart_p,
             )  # fmt: skip
     _assert_close("pretraining loss", loss.detach(), old)
+
+
+def test_cart_counts_no_later_block_mask_token_as_context():
+    """Block diffusion with block_context "full" writes the mask token into every later block and
+    the model sees them, but no loss covers them: CART's context (revealed tokens) must leave them
+    out, as the "blocked" mode does by making them invalid. Counting them as context made the early
+    blocks' weights about 2.8x too large."""
+    from mdlmpe_ds.diffusion.losses import cart_weights, masked_cross_entropy
+    from mdlmpe_ds.tasks.sft import SFTTask
+
+    model = _model("dream", "mdlmpe")
+    run = build_config(None, ["--block_size", "4", "--block_context", "full", "--dream_weighting", "cart"])
+    sft = SFTTask(run.train, model.config)
+    batch = _batch(model, seed=3)
+    c = sft.corrupt(batch, 0, 0)  # the micro step's own draw (keyed by seed, rank, micro-step)
+    shown_masks = c.ids == model.config.mask_token_id
+    assert bool((shown_masks & ~c.masked & c.valid).any())  # later blocks' masks, seen, not scored
+    with torch.no_grad():
+        loss, _, _, _ = sft.micro(model, batch, micro_step=0, rank=0)
+        ce, _ = masked_cross_entropy(model(c.ids, valid=c.valid), batch["input_ids"], c.masked)
+    weight = cart_weights(shown_masks, run.train.cart_p, c.valid)[c.masked]
+    assert float(loss) == pytest.approx(float((ce * weight).sum() / ce.numel()), rel=1e-5)
+    counted = cart_weights(c.masked, run.train.cart_p, c.valid)[c.masked]  # the mask tokens as context
+    assert float((ce * counted).sum() / ce.numel()) > 1.2 * float(loss)
+
+
+def test_dream_loss_settings_on_a_llada_loss_say_they_change_nothing(caplog):
+    """--dream_weighting none --cart_p 0.5 on a LLaDA model trained bit for bit as without them."""
+    from mdlmpe_ds.tasks.sft import SFTTask
+
+    cfg = preset("llada-tiny")
+    with caplog.at_level("WARNING"):
+        SFTTask(build_config(None, ["--dream_weighting", "none", "--cart_p", "0.5"]).train, cfg)
+    assert "--dream_weighting none and --cart_p 0.5 set the Dream loss" in caplog.text
+    assert "--loss dream" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SFTTask(build_config(None, ["--loss", "dream", "--cart_p", "0.5"]).train, cfg)
+        SFTTask(build_config(None, []).train, cfg)
+    assert caplog.text == ""
