@@ -30,6 +30,7 @@ keep-last-k deletes older checkpoints only after the new one is complete, and ne
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -346,6 +347,28 @@ def supersede_newer(output_dir: str | Path, resumed: Path) -> list[Path]:
     if moved:
         fsync_write(root / LATEST, f"{resumed.name}\n")
     return moved
+
+
+#: The errnos of a write refused for space: a full disk and an exceeded quota.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space_words(code: int) -> tuple[str, str]:
+    """What a write refused for space (``NO_SPACE_ERRNOS``) is called, and what makes room: the words
+    of the checkpointer's and the tracker's errors, whichever file ran out."""
+    if code == errno.EDQUOT:
+        return "Disk quota exceeded", "raise the quota or free space"
+    return "No space left on device", "free space"
+
+
+def free_mib(where: Path) -> str:
+    """Free MiB on ``where``'s filesystem (its nearest existing folder), or "?"."""
+    try:
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        return f"{shutil.disk_usage(where).free / 2**20:.0f}"
+    except OSError:
+        return "?"
 
 
 def fsync_write(path: Path, text: str) -> None:

@@ -287,12 +287,12 @@ def disk_full_named(final: Path, last_good: Path | None) -> Iterator[None]:
                 f"and --resume auto continues from {resume_from}"
             )
             raise
-        what = "Disk quota exceeded" if code == errno.EDQUOT else "No space left on device"
-        fix = "raise the quota or free space under it" if code == errno.EDQUOT else "free space"
+        what, fix = ckpt.no_space_words(code)
+        fix += " under it" if code == errno.EDQUOT else ""
         raise OSError(
             code,
             f"{what} while saving checkpoint {final} "
-            f"({_free_mib(final.parent)} MiB free on its filesystem): the partial save is removed at "
+            f"({ckpt.free_mib(final.parent)} MiB free on its filesystem): the partial save is removed at "
             f"the next start; {fix} or move --output_dir, then --resume auto continues from "
             f"{resume_from}",
         ) from err
@@ -305,7 +305,7 @@ SPACE_PROBE_BYTES = 2**20
 
 def _space_errno(err: BaseException, where: Path) -> int | None:
     """ENOSPC or EDQUOT when ``err`` is, or hides, a full disk or an exceeded quota; else None."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(err, OSError) and err.errno in ckpt.NO_SPACE_ERRNOS:
         return err.errno
     if "No space left" in str(err):
         return errno.ENOSPC
@@ -326,7 +326,7 @@ def _space_errno(err: BaseException, where: Path) -> int | None:
         finally:
             os.close(fd)
     except OSError as probe_err:
-        if probe_err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if probe_err.errno in ckpt.NO_SPACE_ERRNOS:
             return probe_err.errno
         return None
     finally:
@@ -336,13 +336,6 @@ def _space_errno(err: BaseException, where: Path) -> int | None:
         return errno.ENOSPC if shutil.disk_usage(where).free < 64 * 2**20 else None
     except OSError:
         return None
-
-
-def _free_mib(where: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(where).free / 2**20:.0f}"
-    except OSError:
-        return "?"
 
 
 def rng_state() -> dict[str, Any]:

@@ -17,10 +17,8 @@ logged after it. ``close()`` then adds nothing over that error: it is the one th
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,7 +108,7 @@ class Tracker(NullTracker):
             yield
         except OSError as err:
             self.failed = True
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if err.errno not in ckpt.NO_SPACE_ERRNOS:
                 raise
             named = Path(err.filename) if isinstance(err.filename, str) else target
             raise disk_full_named(err, named, what, self.output_dir) from err
@@ -138,8 +136,7 @@ def disk_full_named(err: OSError, target: Path, what: str, output_dir: Path) -> 
     complete one: a save commits by an atomic rename, so it is intact, and the resume drops the
     metrics logged after it)."""
     last = ckpt.newest_complete(output_dir)
-    where = "Disk quota exceeded" if err.errno == errno.EDQUOT else "No space left on device"
-    fix = "raise the quota or free space" if err.errno == errno.EDQUOT else "free space"
+    where, fix = ckpt.no_space_words(err.errno)
     resume = (
         f"the last complete checkpoint {last} is intact, and --resume auto continues from it (the "
         "metrics logged after it are dropped and logged again)"
@@ -149,19 +146,9 @@ def disk_full_named(err: OSError, target: Path, what: str, output_dir: Path) -> 
     )
     return OSError(
         err.errno,
-        f"{where} while writing {what} to {target} ({_free_mib(target)} MiB free on its filesystem); "
+        f"{where} while writing {what} to {target} ({ckpt.free_mib(target)} MiB free on its filesystem); "
         f"{fix} under {output_dir} or move --output_dir, then: {resume}",
     )
-
-
-def _free_mib(where: Path) -> str:
-    """Free MiB on ``where``'s filesystem (its nearest existing folder), or "?"."""
-    try:
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        return f"{shutil.disk_usage(where).free / 2**20:.0f}"
-    except OSError:
-        return "?"
 
 
 def truncate_history(metrics_file: Path, last_step: int) -> None:
