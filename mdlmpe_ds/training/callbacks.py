@@ -32,6 +32,7 @@ from mdlmpe_ds.lora import checkpoints as lora_checkpoints
 from mdlmpe_ds.pe.encoder import MDLMPEEncoder
 from mdlmpe_ds.pe.heads import active_head_count, head_fraction, scheduled_kv_heads
 from mdlmpe_ds.pe.phase import PhaseMLP, phase_residual
+from mdlmpe_ds.training import checkpoint as ckpt
 from mdlmpe_ds.training import lifecycle
 from mdlmpe_ds.training.callback import Callback, NonFiniteError, Stopped
 from mdlmpe_ds.training.faults import NO_FAULTS, Faults
@@ -224,7 +225,8 @@ class StopHandling(Callback):
     def on_stop(self, trainer: Trainer, step: int) -> None:
         reason = lifecycle.stop_reason() or "another rank was asked to stop"
         code = lifecycle.exit_code() or 128 + signal.SIGTERM
-        if trainer.saved_at == step:  # the stop arrived while this update's save was written
+        last = trainer.last_good  # this run's newest full checkpoint (or the one it resumed from)
+        if last is not None and ckpt.step_of(last) == step:  # the stop came while it was written
             export = (
                 f" (it holds the weights, so no weights-only save was written: python launch/export.py "
                 f"{trainer.last_good} DIR)"

@@ -101,7 +101,6 @@ class Trainer:
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self.state = TrainerState()
         self.save_pending = False  # a save a callback deferred: write it after the next allowed update
-        self.saved_at: int | None = None  # the update whose full checkpoint this run wrote last
         meta = RunMeta(run, model_config, str(tokenizer_dir), data_fingerprint, resolved or {}, total_updates)
         self.checkpointer = Checkpointer(run.train.output_dir, run.train.keep_last, meta, self.callbacks)
         if resume_from is not None:
@@ -287,9 +286,7 @@ class Trainer:
             self.state.sampler = self.task.sampler.state_dict()
             return asdict(self.state)
 
-        path = self.checkpointer.save(self.engine, self.state.step, trainer_state)
-        self.saved_at = self.state.step
-        return path
+        return self.checkpointer.save(self.engine, self.state.step, trainer_state)
 
     def save_weights(self) -> Path:
         """The model weights only (train.save_on_signal model); not resumable. Collective."""
