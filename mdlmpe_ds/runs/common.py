@@ -152,6 +152,12 @@ def total_updates_for(run: RunConfig, num_batches_per_rank: int) -> int:
     return max(1, math.ceil(run.train.epochs * updates_per_epoch(num_batches_per_rank, run.train.grad_accum)))
 
 
+def saved_grad_accum(saved: ckpt.SavedRun, run: RunConfig) -> int:
+    """The checkpoint's grad_accum (this run's where the record lacks it): with its world size, the
+    micro-batches each of its updates took."""
+    return int(saved.run_config.get("train", {}).get("grad_accum", run.train.grad_accum))
+
+
 def resumed_total(
     run: RunConfig, num_batches_per_rank: int, saved: ckpt.SavedRun | None, world: int, fingerprint: str
 ) -> tuple[int, str | None]:
@@ -173,7 +179,7 @@ def resumed_total(
     was = saved.run_config.get("train", {})
     if was.get("max_steps") is not None or was.get("epochs") != run.train.epochs:
         return fresh, None
-    before = int(was.get("grad_accum", run.train.grad_accum)) * saved.world_size
+    before = saved_grad_accum(saved, run) * saved.world_size
     now = run.train.grad_accum * world
     planned = saved.total_updates
     if planned is None:  # a checkpoint from before the record: its plan, recounted at its size
@@ -434,7 +440,6 @@ def prepare_resume(
     if resume_from is None:
         return None
     saved = ckpt.read_saved_run(resume_from)
-    was_accum = int(saved.run_config.get("train", {}).get("grad_accum", run.train.grad_accum))
     allowed = resume_changes.parse_allowed(allow_changes)
     # "auto" keys compare what they resolved to: the checkpoint's record and this run's ds config
     at_save = {key: saved.resolved_value(key) for key in resume_changes.RESOLVED_KEYS}
@@ -449,7 +454,7 @@ def prepare_resume(
         check_universal_copy(resume_from, saved.world_size, world)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
         log.info(f"resuming a {saved.world_size}-rank checkpoint on {world} ranks from its universal copy")
-    change = per_update_change(run, saved.world_size, was_accum, world)
+    change = per_update_change(run, saved.world_size, saved_grad_accum(saved, run), world)
     if change:
         log.warning(change)
     return resume_from
